@@ -1,0 +1,102 @@
+"""Kernel configurations: the static choices one exported kernel is compiled for.
+
+A `FwdConfig` names everything that is fixed at compile time (dtype, head_dim, causal,
+target arch) and derives the tile shape from it. Its `name` is the exported symbol
+prefix, the key of the generated C++ kernel table and the entry in the manifest that
+`jax_fa4` reads at run time. Batch, sequence lengths, head count and softmax scale are
+runtime values, so `MANIFEST` stays small.
+
+Importable without CuTe-DSL: the export step and tests read it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+DTYPES = ("bf16", "fp16")
+HEAD_DIMS = (64, 128, 256)
+ARCHS = ("sm_90a",)
+
+# Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
+# register file holds 64K 32-bit registers; the producer warpgroup keeps the minimum.
+PRODUCER_REGS = 24
+CONSUMER_REGS = {2: 240, 3: 160}
+
+
+@dataclasses.dataclass(frozen=True)
+class Tile:
+    """CTA tile: `m` query rows (64 per consumer warpgroup) x `n` keys per K/V block."""
+
+    m: int
+    n: int
+    kv_stages: int
+
+    @property
+    def consumers(self) -> int:
+        return self.m // 64
+
+
+# Tiles per (head_dim, causal). Shared memory (bf16) is Q m*D + (K + V) n*D*stages of the
+# 227 KB a CTA can use: d64 24/16 + 64 KB; d128 32 + 128 KB; d256 64 + 160 KB (n = 80
+# because K and V blocks of 128 keys would not fit twice).
+# d64 (H100, bench, CUPTI time): 3 consumers (m=192) vs 2 (m=128), TFLOP/s at s=1k/8k:
+#   non-causal 333/557 vs 323/457; causal 165/437 vs 235/458. Short causal tiles skip
+#   too little work per CTA at m=192.
+_TILES = {
+    (64, False): Tile(m=192, n=128, kv_stages=2),
+    (64, True): Tile(m=128, n=128, kv_stages=2),
+    (128, False): Tile(m=128, n=128, kv_stages=2),
+    (128, True): Tile(m=128, n=128, kv_stages=2),
+    (256, False): Tile(m=128, n=80, kv_stages=2),
+    (256, True): Tile(m=128, n=80, kv_stages=2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class FwdConfig:
+    dtype: str
+    head_dim: int
+    causal: bool
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
+        if self.head_dim not in HEAD_DIMS:
+            raise ValueError(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
+
+    @property
+    def kind(self) -> str:
+        return "fwd"
+
+    @property
+    def tile(self) -> Tile:
+        return _TILES[(self.head_dim, self.causal)]
+
+    @property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        arch = self.arch.removesuffix("a").replace("_", "")
+        return f"fwd_{arch}_{self.dtype}_d{self.head_dim}_{mask}"
+
+    def manifest_entry(self) -> dict:
+        """The record the native module exposes for this kernel."""
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "arch": self.arch,
+            "dtype": self.dtype,
+            "head_dim": self.head_dim,
+            "causal": self.causal,
+            "tile_m": self.tile.m,
+            "tile_n": self.tile.n,
+        }
+
+
+MANIFEST: tuple[FwdConfig, ...] = tuple(
+    FwdConfig(dtype=d, head_dim=h, causal=c)
+    for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
+)

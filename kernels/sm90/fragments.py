@@ -1,0 +1,32 @@
+"""Register-fragment views for sm90 warpgroup MMA (wgmma) accumulators.
+
+A wgmma m64nNk16 accumulator holds, per thread, the layout ((2, 2, N/8), MMA_M, MMA_N):
+mode (0,0) steps one column, mode (0,1) steps 8 rows, mode (0,2) steps 8 columns. The
+4 threads of a quad (lanes 4k..4k+3) share the same two rows.
+"""
+
+import cutlass.cute as cute
+
+
+def rows_cols(t: cute.Tensor) -> cute.Tensor:
+    """View an accumulator-shaped tensor (values or coordinates) as (rows, cols)."""
+    (v_col, v_row, v_blk), mma_m, mma_n = t.layout.shape
+    (d_col, d_row, d_blk), s_m, s_n = t.layout.stride
+    layout = cute.make_layout(
+        ((v_row, mma_m), (v_col, v_blk, mma_n)),
+        stride=((d_row, s_m), (d_col, d_blk, s_n)),
+    )
+    return cute.make_tensor(t.iterator, layout)
+
+
+def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """The wgmma register A-operand layout ((2, 2, 2), 1, N/16) over the registers of a
+    16-bit copy of a ((2, 2, N/8), 1, 1) accumulator: a k16 slice of A owns exactly the
+    values of two adjacent 8-column blocks of the accumulator, so no data moves."""
+    (v_col, v_row, v_blk), mma_m, mma_n = acc_layout.shape
+    (d_col, d_row, d_blk), _, _ = acc_layout.stride
+    assert (v_col, v_row, mma_m, mma_n) == (2, 2, 1, 1) and v_blk % 2 == 0, acc_layout
+    return cute.make_layout(
+        ((2, 2, 2), 1, v_blk // 2),
+        stride=((d_col, d_row, d_blk), 0, 2 * d_blk),
+    )

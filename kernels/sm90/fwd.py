@@ -1,0 +1,458 @@
+"""FlashAttention forward for Hopper (sm_90a), warp-specialized, TMA + wgmma.
+
+Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
+    S = Q K^T,  P = softmax(s * S) over the visible keys,  O = P V,
+    LSE_i = log(sum_j exp(s * S_ij)),  natural log; a row with no visible key gives
+    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (bottom-right causal).
+
+Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
+mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32. B, Sq, Sk and H are
+runtime values; dtype, D and causal are compiled in (kernels/config.py).
+
+One CTA per (tile of tile_m query rows, head, batch); causal grids run the longest
+tiles first. Warpgroup roles:
+  0      producer: warp 0 issues TMA for this tile's Q once, then K and V blocks into
+         two kv_stages-deep rings (separate pipelines, so S = Q K^T can start before
+         V has landed); the other warps idle with few registers.
+  1..C   consumers, 64 query rows each. Key blocks are visited last to first. Each step
+         issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back (wgmma, P from
+         registers), then runs the online softmax of S_j while the PV product is still
+         on the tensor cores. Named barriers make the consumers take turns issuing
+         their wgmma (ping-pong), so one's softmax hides under the other's MMA.
+  Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
+         -> TMA store, which clips the rows past Sq; LSE is written by row owners.
+
+Build: kernels/export.py compiles and exports it ahead of time (no GPU needed).
+Test and time it through jax_fa4 on an H100: tests/gpu, bench/.
+"""
+
+import enum
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
+from kernels.sm90 import mask
+from kernels.sm90.fragments import acc_as_operand_a, rows_cols
+from kernels.sm90.softmax import OnlineSoftmax
+
+WARPGROUP = 128
+CONSUMER_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
+ROWS_PER_THREAD = 2  # accumulator rows a thread owns (fragments.py)
+DTYPES = {"bf16": BFloat16, "fp16": Float16}
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids; 0 is __syncthreads. Consumer c uses TURN + c and EPILOGUE + c."""
+
+    TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
+    EPILOGUE = 4  # consumer c's threads before its TMA store of O
+
+
+def _seq_major(t: cute.Tensor) -> cute.Tensor:
+    """(B, S, H, D) -> (S, D, H, B): a TMA box walks (S, D) inside one (head, batch)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+class FwdSm90:
+    def __init__(self, cfg: FwdConfig):
+        self.dtype = DTYPES[cfg.dtype]
+        self.head_dim = cfg.head_dim
+        self.causal = cfg.causal
+        self.tile_m = cfg.tile.m
+        self.tile_n = cfg.tile.n
+        self.kv_stages = cfg.tile.kv_stages
+        self.consumers = cfg.tile.consumers
+        self.threads = WARPGROUP * (1 + self.consumers)
+        self.consumer_regs = CONSUMER_REGS[self.consumers]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        stream: cuda.CUstream,
+    ):
+        dt, d = self.dtype, self.head_dim
+        q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
+        # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
+        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+
+        qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
+        pv_tiler = (CONSUMER_ROWS, d, self.tile_n)
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.consumers)
+        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.kv_stages)
+        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, dt, self.kv_stages)
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        sK_one = cute.slice_(sK_layout, (None, None, 0))
+        sV_one = cute.slice_(sV_layout, (None, None, 0))
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (CONSUMER_ROWS, d))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (d, self.tile_n))
+        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileS2GOp(), o, sQ_one, (CONSUMER_ROWS, d)
+        )
+        self.q_bytes = cute.size_in_bytes(dt, sQ_one) * self.consumers
+        self.k_bytes = cute.size_in_bytes(dt, sK_one)
+        self.v_bytes = cute.size_in_bytes(dt, sV_one)
+
+        @cute.struct
+        class Storage:
+            q_full: cute.struct.MemRange[Int64, 1]
+            k_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            v_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+
+        self.storage = Storage
+        grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
+            lse, scale_log2, sQ_layout, sK_layout, sV_layout,
+        ).launch(
+            grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
+        )
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        tma_v: cute.Tensor,
+        tma_atom_o: cute.CopyAtom,
+        tma_o: cute.Tensor,
+        mLSE: cute.Tensor,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        bx, head, batch = cute.arch.block_idx()
+        m_block = bx
+        if cutlass.const_expr(self.causal):
+            grid_x, _, _ = cute.arch.grid_dim()
+            m_block = grid_x - 1 - bx  # longest-first: causal tiles grow with m_block
+
+        storage = utils.SmemAllocator().allocate(self.storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        q_full = storage.q_full.data_ptr()
+
+        if warp == 0:
+            for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
+                cpasync.prefetch_descriptor(atom)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(q_full, 1)
+        k_producer, k_consumer = self._kv_pipeline(storage.k_mbar.data_ptr(), self.k_bytes)
+        v_producer, v_consumer = self._kv_pipeline(storage.v_mbar.data_ptr(), self.v_bytes)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        seqlen_q = tma_q.shape[0]
+        seqlen_k = tma_k.shape[0]
+        n_blocks, n_masked = mask.kv_block_range(
+            m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal
+        )
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.load(
+                    tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
+                    sQ, sK, sV, q_full, k_producer, v_producer,
+                    m_block, head, batch, n_blocks,
+                )
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self.mma_softmax_epilogue(
+                tma_atom_o, tma_o, mLSE, scale_log2,
+                sQ, sK, sV, q_full, k_consumer, v_consumer,
+                wg - 1, tidx % WARPGROUP, warp,
+                m_block, head, batch, n_blocks, n_masked, seqlen_q, seqlen_k,
+            )
+
+    def _kv_pipeline(self, barriers, tx_bytes):
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=self.kv_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            # one release per consumer warp (PipelineTmaAsync signals from lane 0)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers),
+            tx_count=tx_bytes,
+            defer_sync=True,
+        ).make_participants()
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(
+        self,
+        tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
+        sQ, sK, sV, q_full, k_producer, v_producer,
+        m_block: Int32, head: Int32, batch: Int32, n_blocks: Int32,
+    ):
+        d = self.head_dim
+        if n_blocks > 0:
+            gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(q_full, self.q_bytes)
+            for c in cutlass.range_constexpr(self.consumers):
+                tQsQ, tQgQ = cpasync.tma_partition(
+                    tma_atom_q, 0, cute.make_layout(1),
+                    cute.group_modes(sQ[None, None, c], 0, 2), cute.group_modes(gQ, 0, 2),
+                )
+                cute.copy(
+                    tma_atom_q, tQgQ[None, m_block * self.consumers + c], tQsQ,
+                    tma_bar_ptr=q_full,
+                )
+            gK = cute.local_tile(tma_k[None, None, head, batch], (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(tma_v[None, None, head, batch], (d, self.tile_n), (0, None))
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_atom_k, 0, cute.make_layout(1),
+                cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
+            )
+            tVsV, tVgV = cpasync.tma_partition(
+                tma_atom_v, 0, cute.make_layout(1),
+                cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
+            )
+            # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
+            # K runs one block ahead of V.
+            n_last = n_blocks - 1
+            k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, n_last], tKsK)
+            for i in cutlass.range(1, n_blocks, unroll=1):
+                k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, n_last - i], tKsK)
+                v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, n_last - i + 1], tVsV)
+            v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, 0], tVsV)
+
+    @staticmethod
+    def _tma_block(producer, atom, src, ring):
+        """Wait for a free ring slot, TMA one block into it; returns the advanced
+        producer so that loops rebind it (the tracer carries rebinds, not mutations)."""
+        handle = producer.acquire_and_advance()
+        cute.copy(atom, src, ring[None, handle.index], tma_bar_ptr=handle.barrier)
+        return producer
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def mma_softmax_epilogue(
+        self,
+        tma_atom_o, tma_o, mLSE, scale_log2,
+        sQ, sK, sV, q_full, k_consumer, v_consumer,
+        c: Int32, tidx: Int32, warp: Int32,
+        m_block: Int32, head: Int32, batch: Int32,
+        n_blocks: Int32, n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+    ):
+        d, tile_n = self.head_dim, self.tile_n
+        sQc = sQ[None, None, c]
+        pv_mma = self._pv_mma()
+        thr_qk = self._qk_mma().get_slice(tidx)
+        thr_pv = pv_mma.get_slice(tidx)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
+        tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
+        s_shape = thr_qk.partition_shape_C((CONSUMER_ROWS, tile_n))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, d)))
+        acc_o.fill(0.0)
+        coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
+        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD)
+        o_scale = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+        # P in the input dtype, viewed as the register A operand of O += P V.
+        r_p = cute.make_rmem_tensor(thr_qk.make_fragment_C(s_shape).layout, self.dtype)
+        tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
+        row0 = m_block * self.tile_m + c * CONSUMER_ROWS
+        coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, d))))
+        tiled_r2s = self._o_store_copy(pv_mma)
+
+        if n_blocks > 0:
+            if c == self.consumers - 1:
+                self._pass_turn(c)  # consumer 0 issues first
+            cute.arch.mbarrier_wait(q_full, 0)
+
+            # First visited block: S and softmax only; its PV runs in the next step.
+            n_last = n_blocks - 1
+            acc_s = thr_qk.make_fragment_C(s_shape)
+            k_handle = k_consumer.wait_and_advance()
+            self._wait_turn(c)
+            self._gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+            self._pass_turn(c)
+            warpgroup.wait_group(0)
+            k_handle.release()
+            s_rc = rows_cols(acc_s)
+            mask.mask_block(s_rc, coord_s, row0, n_last * tile_n, seqlen_q, seqlen_k, self.causal)
+            softmax.step(s_rc, o_scale)
+            r_p.store(acc_s.load().to(self.dtype))
+
+            for i in cutlass.range(n_masked - 1, unroll=1):
+                k_consumer, v_consumer = self._step(
+                    True, n_last - 1 - i, thr_qk, s_shape, tSrQ, tSrK, tOrV,
+                    tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
+                    c, row0, seqlen_q, seqlen_k,
+                )
+            for i in cutlass.range(n_blocks - n_masked, unroll=1):
+                k_consumer, v_consumer = self._step(
+                    False, n_blocks - n_masked - 1 - i, thr_qk, s_shape, tSrQ,
+                    tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
+                    v_consumer, c, row0, seqlen_q, seqlen_k,
+                )
+
+            # PV of the last visited block.
+            self._rescale(acc_o, o_scale)
+            v_handle = v_consumer.wait_and_advance()
+            self._gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
+            warpgroup.wait_group(0)
+            v_handle.release()
+            if c == 0:
+                self._wait_turn(c)  # the turn the last consumer passed after its last step
+
+        self.epilogue(
+            tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sQc,
+            c, tidx, warp, m_block, row0, head, batch, seqlen_q,
+        )
+
+    @cute.jit
+    def _step(
+        self,
+        is_masked: cutlass.Constexpr,
+        n_block: Int32,
+        thr_qk, s_shape, tSrQ, tSrK, tOrV, tOrP, r_p, acc_o, coord_s,
+        softmax, o_scale, k_consumer, v_consumer,
+        c: Int32, row0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+    ):
+        """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
+        overlapping the PV product (j = n_block; P_{j+1} is in r_p)."""
+        acc_s = thr_qk.make_fragment_C(s_shape)
+        k_handle = k_consumer.wait_and_advance()
+        self._wait_turn(c)
+        self._gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+        self._rescale(acc_o, o_scale)
+        v_handle = v_consumer.wait_and_advance()
+        self._gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
+        self._pass_turn(c)
+        warpgroup.wait_group(1)
+        k_handle.release()
+        s_rc = rows_cols(acc_s)
+        if cutlass.const_expr(is_masked):
+            mask.mask_block(
+                s_rc, coord_s, row0, n_block * self.tile_n, seqlen_q, seqlen_k, self.causal
+            )
+        softmax.step(s_rc, o_scale)
+        warpgroup.wait_group(0)
+        v_handle.release()
+        r_p.store(acc_s.load().to(self.dtype))
+        return k_consumer, v_consumer
+
+    @cute.jit
+    def epilogue(
+        self,
+        tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sQc,
+        c: Int32, tidx: Int32, warp: Int32, m_block: Int32, row0: Int32,
+        head: Int32, batch: Int32, seqlen_q: Int32,
+    ):
+        d = self.head_dim
+        inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+        lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+        softmax.finalize(inv_sum, lse)
+        self._rescale(acc_o, inv_sum)
+
+        # LSE: the first thread of each quad owns its two rows.
+        if tidx % 4 == 0:
+            for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+                row = row0 + coord_o[r, 0][0]
+                if row < seqlen_q:
+                    mLSE[row, head, batch] = lse[r]
+
+        # O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA.
+        r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
+        r_o.store(acc_o.load().to(self.dtype))
+        thr_r2s = tiled_r2s.get_slice(tidx)
+        # retile groups (atom values, repetitions) in mode 0; the smem partition keeps
+        # repetitions in mode 2. Both step 16 columns per repetition.
+        src = tiled_r2s.retile(r_o)
+        (vals, reps), _, _ = src.layout.shape
+        (d_vals, d_reps), _, _ = src.layout.stride
+        src = cute.make_tensor(src.iterator, cute.make_layout((vals, 1, reps), stride=(d_vals, 0, d_reps)))
+        cute.copy(tiled_r2s, src, thr_r2s.partition_D(sQc))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
+        if warp % 4 == 0:
+            gO = cute.local_tile(
+                tma_o[None, None, head, batch], (CONSUMER_ROWS, d),
+                (m_block * self.consumers + c, 0),
+            )
+            tOsO, tOgO = cpasync.tma_partition(
+                tma_atom_o, 0, cute.make_layout(1),
+                cute.group_modes(sQc, 0, 2), cute.group_modes(gO, 0, 2),
+            )
+            cute.copy(tma_atom_o, tOsO, tOgO)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------ helpers
+    # A GEMM issue sets the atom's accumulate flag, which rebinds the tiled MMA's IR
+    # value; building a fresh (purely static) one per use keeps that value out of loops.
+    def _qk_mma(self):
+        k_major = OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1),
+            (CONSUMER_ROWS, self.tile_n),
+        )
+
+    def _pv_mma(self):
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (1, 1, 1), (CONSUMER_ROWS, self.head_dim), warpgroup.OperandSource.RMEM,
+        )
+
+    def _o_store_copy(self, pv_mma):
+        """stmatrix copy of the O accumulator (rows of 16-bit values) into shared memory."""
+        store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
+        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
+        return cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(stmatrix, pv_mma))
+
+    @cute.jit
+    def _gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr):
+        """Issue one warpgroup GEMM over all k slices and commit it as one group."""
+        warpgroup.fence()
+        for kk in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kk == 0))
+            cute.gemm(tiled_mma, acc, t_a[None, None, kk], t_b[None, None, kk], acc)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _rescale(self, acc, row_scale):
+        acc_rc = rows_cols(acc)
+        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+            for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                acc_rc[r, col] = acc_rc[r, col] * row_scale[r]
+
+    def _wait_turn(self, c):
+        pipeline.NamedBarrier(Barrier.TURN + c, 2 * WARPGROUP).arrive_and_wait()
+
+    def _pass_turn(self, c):
+        nxt = c + 1
+        if cutlass.const_expr(self.consumers == 2):
+            nxt = 1 - c
+        else:
+            nxt = nxt % self.consumers
+        pipeline.NamedBarrier(Barrier.TURN + nxt, 2 * WARPGROUP).arrive()

@@ -1,0 +1,61 @@
+"""Which key blocks a query tile visits, and which elements inside a block are visible.
+
+Visibility of key column j from query row i (bottom-right aligned causal, the
+FlashAttention convention):  j < Sk, and if causal  j <= i + Sk - Sq.
+
+Key blocks are visited from the last to the first, so the blocks that need element
+masking (the Sk tail and the causal diagonal) come first and the rest run unmasked.
+"""
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+
+@cute.jit
+def kv_block_range(
+    m_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
+):
+    """(n_blocks, n_masked): blocks [0, n_blocks) are visited, and the last n_masked of
+    them (visited first) can hold invisible elements. n_masked >= 1 when n_blocks >= 1
+    (the first visited block may hold the Sk tail)."""
+    n_blocks = (seqlen_k + tile_n - 1) // tile_n
+    n_masked = Int32(1)
+    if cutlass.const_expr(causal):
+        offset = seqlen_k - seqlen_q
+        # Exclusive column bound of the tile's last row, and the first column the
+        # tile's first row cannot see.
+        end = cutlass.min(seqlen_k, (m_block + 1) * tile_m + offset)
+        end = cutlass.max(end, 0)
+        n_blocks = (end + tile_n - 1) // tile_n
+        first_hidden = cutlass.max(m_block * tile_m + offset + 1, 0)
+        n_unmasked = cutlass.min(first_hidden // tile_n, n_blocks)
+        n_masked = cutlass.max(n_blocks - n_unmasked, 1)
+    return n_blocks, n_masked
+
+
+@cute.jit
+def mask_block(
+    s_rc: cute.Tensor,
+    coord_rc: cute.Tensor,
+    row0: Int32,
+    col0: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr,
+):
+    """Set invisible scores of one block to -inf. `coord_rc` holds each value's (row, col)
+    inside the block; `row0`, `col0` place the block in the (Sq, Sk) matrix."""
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        col_end = seqlen_k - col0
+        if cutlass.const_expr(causal):
+            row = row0 + coord_rc[r, 0][0]
+            col_end = cutlass.min(col_end, row + 1 + seqlen_k - seqlen_q - col0)
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            if coord_rc[r, c][1] >= col_end:
+                s_rc[r, c] = -Float32.inf

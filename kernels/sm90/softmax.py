@@ -1,0 +1,82 @@
+"""Online softmax over key blocks, in base 2, for the query rows one thread owns.
+
+For each row the thread keeps the running max m of the raw scores and a partial sum of
+exp2((s - m) * scale_log2) over the columns it holds. Each block:
+    m' = max(m, max_j s_j)                  (quad-reduced: 4 threads share a row)
+    o_scale = exp2((m - m') * scale_log2)   the factor O and the sum must be rescaled by
+    p_j = exp2(s_j * scale_log2 - m' * scale_log2)
+A row that has seen only -inf keeps m = -inf; it is treated as max 0 so that every p
+and o_scale is exactly 0 (no inf - inf). The partial sums are quad-reduced once, at the
+end. Requires scale_log2 > 0.
+"""
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+
+LN2 = math.log(2.0)
+
+
+def _quad_allreduce(x: Float32, op) -> Float32:
+    for offset in (1, 2):
+        x = op(x, cute.arch.shuffle_sync_bfly(x, offset=offset))
+    return x
+
+
+class OnlineSoftmax:
+    def __init__(self, scale_log2: Float32, row_max: cute.Tensor, row_sum: cute.Tensor):
+        self.scale_log2 = scale_log2
+        self.row_max = row_max
+        self.row_sum = row_sum
+        self.num_rows = cute.size(row_max)
+
+    @staticmethod
+    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+        row_max = cute.make_rmem_tensor((num_rows,), Float32)
+        row_sum = cute.make_rmem_tensor((num_rows,), Float32)
+        row_max.fill(-Float32.inf)
+        row_sum.fill(0.0)
+        return OnlineSoftmax(scale_log2, row_max, row_sum)
+
+    # The DSL carries objects through dynamic control flow by their IR values.
+    def __extract_mlir_values__(self):
+        return cutlass.extract_mlir_values((self.scale_log2, self.row_max, self.row_sum))
+
+    def __new_from_mlir_values__(self, values):
+        parts = cutlass.new_from_mlir_values((self.scale_log2, self.row_max, self.row_sum), values)
+        return OnlineSoftmax(*parts)
+
+    @cute.jit
+    def step(self, s_rc: cute.Tensor, o_scale: cute.Tensor):
+        """Turn the scores `s_rc` (rows, cols) into probabilities in place and write the
+        per-row factor the output accumulator must be multiplied by."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            m_old = self.row_max[r]
+            m = m_old
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                m = cute.arch.fmax(m, s_rc[r, c])
+            m = _quad_allreduce(m, cute.arch.fmax)
+            m_scaled = cutlass.select_(m == -Float32.inf, Float32(0.0), m * self.scale_log2)
+            scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            o_scale[r] = scale
+            self.row_max[r] = m
+            total = Float32(0.0)
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                p = cute.math.exp2(s_rc[r, c] * self.scale_log2 - m_scaled, fastmath=True)
+                s_rc[r, c] = p
+                total = total + p
+            self.row_sum[r] = self.row_sum[r] * scale + total
+
+    @cute.jit
+    def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor):
+        """Per row: 1 / sum (0 for a row with no visible key) and the natural-log LSE
+        (-inf for such a row)."""
+        for r in cutlass.range_constexpr(self.num_rows):
+            total = _quad_allreduce(self.row_sum[r], lambda a, b: a + b)
+            empty = total == Float32(0.0)
+            safe = cutlass.select_(empty, Float32(1.0), total)
+            inv_sum[r] = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(safe))
+            log_sum = (self.row_max[r] * self.scale_log2 + cute.math.log2(safe, fastmath=True)) * LN2
+            lse[r] = cutlass.select_(empty, -Float32.inf, log_sum)
