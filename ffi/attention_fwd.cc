@@ -1,0 +1,187 @@
+// XLA FFI handler `jax_fa4_fwd`: attention forward through an exported CuTe-DSL kernel.
+//
+// Operands q (..., Sq, H, D), k and v (..., Sk, H, D): bf16 or fp16, row-major; every
+// leading dimension is folded into the batch (so vmap can add axes). Results: out like
+// q, lse (..., H, Sq) fp32. Attributes: causal (bool), softmax_scale (f32).
+//
+// Stages: INITIALIZE checks the device and loads the selected kernel's module (once per
+// process, outside any CUDA-graph capture); EXECUTE only launches on XLA's stream, so
+// the handler is command-buffer (CUDA graph) compatible.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "kernel_table.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_fa4 {
+namespace {
+
+constexpr int kTmaAlignBytes = 16;
+constexpr int kMaxGridYZ = 65535;
+constexpr int kHopperMajor = 9;
+
+std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + ")";
+}
+
+std::string Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
+  return "q" + Dims(q.dimensions()) + " k" + Dims(k.dimensions()) + " v" + Dims(v.dimensions());
+}
+
+ffi::Error CudaError(const std::string& what, cudaError_t e) {
+  return ffi::Error::Internal(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+struct FwdProblem {
+  const FwdKernel* kernel;
+  int64_t batch, seqlen_q, seqlen_k, heads, head_dim;
+};
+
+// Validates the operands and picks the kernel; shared by both stages.
+ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                const ffi::AnyBuffer& v, bool causal) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
+  const std::string shapes = Describe(q, k, v);
+  if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: q, k, v must have the same rank >= 3 "
+                                       "(..., S, H, D); got " + shapes);
+  const size_t r = qd.size();
+  int64_t batch = 1;
+  for (size_t i = 0; i + 3 < r; ++i) {
+    if (kd[i] != qd[i] || vd[i] != qd[i])
+      return ffi::Error::InvalidArgument("jax_fa4_fwd: leading (batch) dims differ: " + shapes);
+    batch *= qd[i];
+  }
+  FwdProblem p{nullptr, batch, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1]};
+  if (kd[r - 2] != p.heads || vd[r - 2] != p.heads || kd[r - 1] != p.head_dim ||
+      vd[r - 1] != p.head_dim || vd[r - 3] != p.seqlen_k)
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: heads, head_dim or seqlen_k of q, k, v "
+                                       "disagree: " + shapes);
+  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: q, k, v dtypes differ: " + shapes);
+  Dtype dtype;
+  if (q.element_type() == ffi::DataType::BF16) {
+    dtype = Dtype::kBF16;
+  } else if (q.element_type() == ffi::DataType::F16) {
+    dtype = Dtype::kF16;
+  } else {
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: dtype must be bf16 or fp16: " + shapes);
+  }
+  p.kernel = FindFwdKernel(dtype, static_cast<int>(p.head_dim), causal);
+  if (p.kernel == nullptr)
+    return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
+                                       DtypeName(dtype) + ", head_dim " +
+                                       std::to_string(p.head_dim) +
+                                       (causal ? ", causal" : ", non-causal") + ": " + shapes);
+  return p;
+}
+
+ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::RemainingRets /*out, lse*/, bool causal, float /*softmax_scale*/) {
+  auto problem = Select(q, k, v, causal);
+  if (problem.has_error()) return problem.error();
+  const FwdKernel& kernel = *problem->kernel;
+  int major = 0, minor = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e != cudaSuccess) return CudaError("jax_fa4_fwd: querying device " + std::to_string(device), e);
+  if (major != kHopperMajor)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      std::string("jax_fa4_fwd: kernel ") + kernel.name + " is built for " +
+                          kernel.arch + " (Hopper); device " + std::to_string(device) + " is sm_" +
+                          std::to_string(major) + std::to_string(minor));
+  e = EnsureLoaded(kernel);
+  if (e != cudaSuccess) return CudaError(std::string("jax_fa4_fwd: loading ") + kernel.name, e);
+  return ffi::Error::Success();
+}
+
+ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse, bool causal, float softmax_scale) {
+  auto problem = Select(q, k, v, causal);
+  if (problem.has_error()) return problem.error();
+  const FwdProblem& p = *problem;
+  const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
+
+  if (out->element_type() != q.element_type() || out->element_count() != q.element_count() ||
+      lse->element_count() != p.batch * p.heads * p.seqlen_q)
+    return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
+  if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
+    return ffi::Error::InvalidArgument(where + ": softmax_scale must be finite and > 0");
+  if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
+  if (p.seqlen_k == 0)
+    return ffi::Error::InvalidArgument(where + ": seqlen_k must be >= 1 (handled in Python)");
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  // Grid (query tiles, heads, batch); the export ABI holds sizes as int32.
+  if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || p.seqlen_q > kInt32Max ||
+      p.seqlen_k > kInt32Max)
+    return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
+                                       "sequence lengths < 2^31");
+  const void* buffers[] = {q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                           out->untyped_data(), lse->typed_data()};
+  for (const void* ptr : buffers)
+    if (reinterpret_cast<uintptr_t>(ptr) % kTmaAlignBytes != 0)
+      return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
+  if (!IsLoaded(*p.kernel))
+    return ffi::Error::Internal(where + ": module not loaded (initialize stage did not run)");
+
+  // The exported wrapper launches through this library's static cudart: make XLA's
+  // device current. cudaGetDevice/cudaSetDevice are capture-safe, unlike
+  // cudaStreamGetDevice.
+  int current = -1;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e == cudaSuccess && current != device) e = cudaSetDevice(device);
+  if (e != cudaSuccess) return CudaError(where + ": selecting device " + std::to_string(device), e);
+
+  constexpr float kLog2e = 1.4426950408889634f;
+  FwdArgs args{const_cast<void*>(q.untyped_data()),
+               const_cast<void*>(k.untyped_data()),
+               const_cast<void*>(v.untyped_data()),
+               out->untyped_data(),
+               lse->typed_data(),
+               static_cast<int32_t>(p.batch),
+               static_cast<int32_t>(p.seqlen_q),
+               static_cast<int32_t>(p.seqlen_k),
+               static_cast<int32_t>(p.heads),
+               softmax_scale * kLog2e};
+  int32_t ret = p.kernel->launch(args, stream);
+  if (ret != 0) return CudaError(where + ": launch", static_cast<cudaError_t>(ret));
+  e = cudaGetLastError();
+  if (e != cudaSuccess) return CudaError(where + ": launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace jax_fa4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>()      // device XLA runs on
+                                  .Arg<ffi::AnyBuffer>()          // q
+                                  .Arg<ffi::AnyBuffer>()          // k
+                                  .Arg<ffi::AnyBuffer>()          // v
+                                  .RemainingRets()                // out, lse: not touched
+                                  .Attr<bool>("causal")           // selects the kernel
+                                  .Attr<float>("softmax_scale"));  // unused here
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device XLA runs on
+                                  .Arg<ffi::AnyBuffer>()      // q (..., Sq, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // k (..., Sk, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // v (..., Sk, H, D)
+                                  .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("softmax_scale"),
+                              {ffi::Traits::kCmdBufferCompatible});
