@@ -1,0 +1,25 @@
+"""The only place that builds XLA FFI calls to the native handlers (jax_fa4._ffi).
+
+Batching is quarantined here: the handlers fold every leading dimension into the batch,
+so vmap may add axes in front (`vmap_method="broadcast_all"`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jax_fa4._spec import AttentionSpec
+
+FWD_TARGET = "jax_fa4_fwd"
+
+
+def fwd(q, k, v, spec: AttentionSpec):
+    """q (..., Sq, H, D), k/v (..., Sk, H, D) -> out (..., Sq, H, D), lse (..., H, Sq) fp32."""
+    *lead, sq, heads, _ = q.shape
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
+    )
+    call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
+    return call(q, k, v, **spec.ffi_attributes())

@@ -1,0 +1,53 @@
+"""The native module `jax_fa4._ffi`: load it if it was built, register its FFI targets.
+
+The module holds the XLA FFI handlers (as capsules) and the manifest of the kernels it
+was built with. A source checkout without `pip install .` has no module: everything
+else in jax_fa4 still works, and the kernel path reports `NOT_BUILT` as its reason.
+"""
+
+from __future__ import annotations
+
+import jax
+
+NOT_BUILT = "native module jax_fa4._ffi is not built (pip install .)"
+
+try:
+    from jax_fa4 import _ffi
+except ImportError:
+    _ffi = None
+
+# Attribute set on the extension module once its targets are registered. It lives on
+# the extension module because `importlib.reload` re-runs this file but never
+# re-creates an extension module, and XLA must not see the same target twice.
+_REGISTERED_FLAG = "_jax_fa4_targets_registered"
+
+
+def native_reason() -> str:
+    """Empty when the native module is loaded, else why the kernel path is unavailable."""
+    return "" if _ffi is not None else NOT_BUILT
+
+
+def manifest() -> list[dict]:
+    """One dict per compiled kernel (see `jax_fa4.kernels`); [] without the module."""
+    return [dict(entry) for entry in _MANIFEST]
+
+
+def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool) -> str | None:
+    """Name of the compiled kernel for this configuration, None if there is none."""
+    key = (kind, dtype, head_dim, causal)
+    for entry in _MANIFEST:
+        if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"]) == key:
+            return entry["name"]
+    return None
+
+
+def _register_targets() -> None:
+    if _ffi is None or getattr(_ffi, _REGISTERED_FLAG, False):
+        return
+    for name, stages in _ffi.registrations().items():
+        jax.ffi.register_ffi_target(name, stages, platform="CUDA")
+    setattr(_ffi, _REGISTERED_FLAG, True)
+
+
+_MANIFEST: tuple[dict, ...] = tuple(_ffi.manifest()) if _ffi is not None else ()
+_register_targets()

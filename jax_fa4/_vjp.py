@@ -1,0 +1,53 @@
+"""custom_vjp of the kernel paths: kernel (or per-platform) forward, reference backward.
+
+The backward is jax.vjp of the pure-JAX reference: exact, including the cotangent of a
+returned lse, but slow (it materializes the (Sq, Sk) scores). Backward kernels replace
+`_bwd` alone; the residuals (q, k, v, out, lse) are already the ones they need.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+
+from jax_fa4 import _ffi_calls
+from jax_fa4._reference import reference_attention
+from jax_fa4._spec import AttentionSpec
+
+
+def _reference(spec: AttentionSpec, q, k, v):
+    return reference_attention(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale)
+
+
+def _forward(spec: AttentionSpec, q, k, v):
+    kernel = functools.partial(_ffi_calls.fwd, spec=spec)
+    if spec.path == "cute":
+        return kernel(q, k, v)
+    # path "platform" (the "reference" path never reaches custom_vjp: plain autodiff
+    # serves it). Both branches are traced; lowering keeps the target platform's, so
+    # one jitted function runs the kernel on CUDA and the reference elsewhere.
+    return jax.lax.platform_dependent(
+        q, k, v, cuda=kernel, default=functools.partial(_reference, spec))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def attention(spec: AttentionSpec, q, k, v):
+    """q (B, Sq, H, D), k/v (B, Sk, H, D) -> out (B, Sq, H, D), lse (B, H, Sq) fp32."""
+    return _forward(spec, q, k, v)
+
+
+def _fwd(spec, q, k, v):
+    out, lse = _forward(spec, q, k, v)
+    return (out, lse), (q, k, v, out, lse)
+
+
+def _bwd(spec, residuals, cotangents):
+    q, k, v, out, lse = residuals
+    # The reference recomputes out and lse itself; a backward kernel will read them.
+    del out, lse
+    _, vjp = jax.vjp(functools.partial(_reference, spec), q, k, v)
+    return vjp(cotangents)
+
+
+attention.defvjp(_fwd, _bwd)
