@@ -1,0 +1,125 @@
+"""Path selection seen in the HLO lowered for CUDA on this CPU machine, and registration.
+
+`built` uses the real native module when it is built, else a stand-in with the manifest
+of kernels/config.py (lowering needs no registered handler). Tests marked `native` need
+the real module.
+"""
+
+import functools
+import importlib
+import re
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jaxlib import xla_client
+
+import jax_fa4
+from jax_fa4 import _api, _registry
+
+CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
+                  r"causal = (true|false), softmax_scale = (\S+) : f32")
+
+
+def fwd_calls(fn, *args, platform="cuda"):
+    """[(causal, softmax_scale)] of each jax_fa4_fwd call in fn lowered for `platform`."""
+    # A fresh function each time: jit caches traces per function, and the path is
+    # chosen while tracing.
+    traced = jax.jit(lambda *a: fn(*a)).trace(*args)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    return [(c == "true", np.float32(s)) for c, s in CALL.findall(text)]
+
+
+def sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+class FakeGpu:
+    def __init__(self, compute_capability):
+        self.compute_capability = compute_capability
+
+
+@pytest.mark.parametrize("dtype,d,causal,scale", [
+    (jnp.bfloat16, 128, False, None),
+    (jnp.float16, 64, True, 0.3),
+    (jnp.bfloat16, 256, True, 1.7),
+])
+def test_default_lowers_to_the_kernel_for_cuda(built, dtype, d, causal, scale):
+    q, kv = sds(2, 17, 4, d, dtype=dtype), sds(2, 113, 4, d, dtype=dtype)
+    attn = functools.partial(jax_fa4.attention, causal=causal, softmax_scale=scale)
+    expected_scale = np.float32(d ** -0.5 if scale is None else scale)
+    assert fwd_calls(attn, q, kv, kv) == [(causal, expected_scale)]
+    assert fwd_calls(attn, q, kv, kv, platform="cpu") == []
+
+
+@pytest.mark.parametrize("q,kwargs", [
+    (sds(2, 17, 4, 128, dtype=jnp.float32), {}),
+    (sds(2, 17, 4, 96), {}),
+    (sds(2, 17, 4, 128), dict(softmax_scale=-1.0)),
+    (sds(2, 17, 4, 128), dict(softmax_scale=0.0)),
+])
+def test_default_falls_back_statically(built, q, kwargs):
+    kv = sds(2, 33, 4, q.shape[-1], dtype=q.dtype)
+    assert fwd_calls(functools.partial(jax_fa4.attention, **kwargs), q, kv, kv) == []
+
+
+def test_non_hopper_gpus_get_the_reference(built, monkeypatch):
+    q = sds(1, 8, 2, 64)
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("8.0"),))
+    assert fwd_calls(jax_fa4.attention, q, q, q) == []
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
+    assert len(fwd_calls(jax_fa4.attention, q, q, q)) == 1
+
+
+def test_cute_lowers_to_the_kernel(built, monkeypatch):
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
+    q = sds(1, 8, 2, 64, dtype=jnp.float16)
+    attn = functools.partial(jax_fa4.attention, causal=True, implementation="cute")
+    assert fwd_calls(attn, q, q, q) == [(True, np.float32(0.125))]
+
+
+def test_vmap_and_grad_lower_to_the_kernel(built):
+    stacked, q = sds(3, 2, 16, 4, 64), sds(2, 16, 4, 64)
+    attn = functools.partial(jax_fa4.attention, causal=True)
+    assert len(fwd_calls(jax.vmap(attn), stacked, stacked, stacked)) == 1
+    assert len(fwd_calls(jax.vmap(attn, in_axes=(0, None, None)), stacked, q, q)) == 1
+
+    def loss(q, k, v):
+        out, lse = attn(q, k, v, return_lse=True)
+        return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
+
+    # value_and_grad: the value needs the forward. (Under plain grad, the residuals out
+    # and lse are dead while the backward is the reference's, so the call is removed.)
+    assert len(fwd_calls(jax.value_and_grad(loss), q, q, q)) == 1
+
+
+def test_register_targets_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target",
+                        lambda name, stages, platform: calls.append((name, platform)))
+    stand_in = types.SimpleNamespace(registrations=lambda: {"jax_fa4_fwd": {}, "other": {}})
+    monkeypatch.setattr(_registry, "_ffi", stand_in)
+    _registry._register_targets()
+    _registry._register_targets()
+    assert calls == [("jax_fa4_fwd", "CUDA"), ("other", "CUDA")]
+
+
+@pytest.mark.native
+def test_import_registers_once(monkeypatch):
+    calls = []
+    monkeypatch.setattr(jax.ffi, "register_ffi_target", lambda *a, **k: calls.append(a))
+    importlib.reload(_registry)
+    importlib.reload(jax_fa4)
+    assert calls == []
+    if "CUDA" not in xla_client._custom_callback_handler:
+        # Without a CUDA backend, XLA queues CUDA registrations until one appears.
+        pending = [entry[0] for entry in xla_client._custom_callback.get("CUDA", [])]
+        assert pending.count("jax_fa4_fwd") == 1
+
+
+@pytest.mark.native
+def test_manifest_matches_kernel_config(expected_manifest):
+    assert jax_fa4.kernels() == expected_manifest
+    assert len(expected_manifest) == 12

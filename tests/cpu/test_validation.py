@@ -1,0 +1,130 @@
+"""Every refusal, with its message, raised before anything is traced.
+
+Inputs are jax.ShapeDtypeStruct: they carry shape and dtype only, so any tracing or
+computation would fail with a TypeError instead of the expected refusal.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import _api, _registry
+
+
+def sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+Q = sds(2, 16, 4, 64)
+KV = sds(2, 24, 4, 64)
+
+
+@pytest.mark.parametrize("q,k,v,match", [
+    (sds(16, 4, 64), KV, KV, r"q must have rank 4 \(B, S, H, D\); got shape \(16, 4, 64\)"),
+    (Q, sds(1, 2, 24, 4, 64), KV, r"k must have rank 4"),
+    (Q, KV, sds(24, 4, 64), r"v must have rank 4"),
+    ([[1.0]], KV, KV, r"q must be an array or jax.ShapeDtypeStruct; got list"),
+    (Q, sds(3, 24, 4, 64), sds(3, 24, 4, 64), r"same batch size B"),
+    (Q, sds(2, 24, 2, 64), sds(2, 24, 2, 64), r"Hq must equal Hkv for now"),
+    (Q, KV, sds(2, 24, 2, 64), r"same number of heads"),
+    (Q, sds(2, 24, 4, 128), sds(2, 24, 4, 128), r"same head_dim D"),
+    (Q, KV, sds(2, 23, 4, 64), r"k and v must have the same sequence length Sk"),
+    (Q, sds(2, 24, 4, 64, dtype=jnp.float16), KV, r"same dtype; got bfloat16, float16"),
+    (sds(2, 16, 4, 64, dtype=jnp.int32), sds(2, 24, 4, 64, dtype=jnp.int32),
+     sds(2, 24, 4, 64, dtype=jnp.int32), r"floating-point dtype; got int32"),
+    (sds(2, 16, 4, 0), sds(2, 24, 4, 0), sds(2, 24, 4, 0), r"static positive integer"),
+])
+@pytest.mark.parametrize("entry", [jax_fa4.attention, jax_fa4.supports])
+def test_malformed_operands(entry, q, k, v, match):
+    with pytest.raises(ValueError, match=match):
+        entry(q, k, v)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(implementation="flash"), r"implementation must be one of \(None, 'cute', 'reference'\)"),
+    (dict(causal=1), r"causal must be a static Python bool"),
+    (dict(causal=None), r"causal must be a static Python bool"),
+    (dict(return_lse="yes"), r"return_lse must be a static Python bool"),
+    (dict(softmax_scale="0.1"), r"softmax_scale must be a static Python number; got str"),
+    (dict(softmax_scale=True), r"softmax_scale must be a static Python number; got bool"),
+    (dict(softmax_scale=jnp.float32(0.1)), r"static Python number; got ArrayImpl"),
+    (dict(softmax_scale=float("nan")), r"softmax_scale must be finite"),
+    (dict(softmax_scale=float("inf")), r"softmax_scale must be finite"),
+])
+@pytest.mark.parametrize("entry", [jax_fa4.attention, jax_fa4.supports])
+def test_malformed_arguments(entry, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        entry(Q, KV, KV, **kwargs)
+
+
+def test_traced_softmax_scale():
+    q = jnp.zeros((1, 4, 1, 8), jnp.float32)
+
+    @jax.jit
+    def f(q, scale):
+        return jax_fa4.attention(q, q, q, softmax_scale=scale)
+
+    with pytest.raises(ValueError, match="not a traced value"):
+        f(q, 0.5)
+
+
+def test_static_numbers_are_accepted():
+    q = jnp.ones((1, 3, 1, 8), jnp.float32)
+    ref = jax_fa4.attention(q, q, q, softmax_scale=0.5)
+    for scale in (np.float32(0.5), np.float64(0.5)):
+        np.testing.assert_array_equal(jax_fa4.attention(q, q, q, softmax_scale=scale), ref)
+    jax_fa4.attention(q, q, q, softmax_scale=2, causal=np.bool_(True))
+
+
+def test_cute_needs_half_precision():
+    with pytest.raises(ValueError, match="implementation='cute' takes bfloat16 or float16"):
+        jax_fa4.attention(sds(2, 16, 4, 64, dtype=jnp.float32), sds(2, 24, 4, 64, dtype=jnp.float32),
+                          sds(2, 24, 4, 64, dtype=jnp.float32), implementation="cute")
+
+
+def test_cute_without_native_module(monkeypatch):
+    monkeypatch.setattr(_registry, "_ffi", None)
+    with pytest.raises(NotImplementedError, match=r"jax_fa4._ffi is not built \(pip install .\)"):
+        jax_fa4.attention(Q, KV, KV, implementation="cute")
+    assert jax_fa4.supports(Q, KV, KV) == (False, _registry.NOT_BUILT)
+
+
+@pytest.mark.parametrize("q,k,v,kwargs,match", [
+    (sds(2, 16, 4, 96), sds(2, 24, 4, 96), sds(2, 24, 4, 96), {},
+     r"no compiled kernel for dtype=bf16 head_dim=96 causal=False; "
+     r"head_dims built for bf16: \[64, 128, 256\]"),
+    (Q, KV, KV, dict(softmax_scale=-0.1), r"the kernels need softmax_scale > 0; got -0.1"),
+    (Q, KV, KV, dict(softmax_scale=0), r"the kernels need softmax_scale > 0; got 0.0"),
+    (Q, KV, KV, dict(causal=True), r"no Hopper \(sm_90\) GPU visible to JAX"),
+])
+def test_cute_capability_gaps(built, monkeypatch, q, k, v, kwargs, match):
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    with pytest.raises(NotImplementedError, match=match):
+        jax_fa4.attention(q, k, v, implementation="cute", **kwargs)
+    ok, reason = jax_fa4.supports(q, k, v, **kwargs)
+    assert not ok and re.search(match, reason)
+
+
+def test_supports_reasons(built, monkeypatch):
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
+    assert jax_fa4.supports(f32, f32, f32) == (
+        False, "dtype float32 has no kernel; the kernels take bfloat16 or float16")
+
+    class Hopper:
+        compute_capability = "9.0"
+
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+    assert jax_fa4.supports(Q, KV, KV, causal=True) == (True, "")
+    assert jax_fa4.supports(Q, KV, KV, implementation="reference") == (True, "")
+
+
+def test_zero_size_with_cute_still_refuses_before_anything_else(monkeypatch):
+    monkeypatch.setattr(_registry, "_ffi", None)
+    with pytest.raises(NotImplementedError, match="not built"):
+        jax_fa4.attention(sds(0, 16, 4, 64), sds(0, 24, 4, 64), sds(0, 24, 4, 64),
+                          implementation="cute")

@@ -1,0 +1,92 @@
+"""The numerics rule of KERNELS.md (FlashAttention's), shared by the GPU tests.
+
+A result passes when
+
+    max|got - ref| <= RTOL * max|lp - ref| + ATOL
+
+where ref is the reference computed in float32 on the (upcast) inputs and lp is the same
+math with every step in the input dtype: the kernel may be at most twice as wrong as
+straightforward low-precision math. Exposed as the `fa` fixture.
+"""
+
+import functools
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_fa4._reference import reference_attention
+
+RTOL = 2.0
+# Twice the float32 rounding error at magnitude 0.3 (eps is the relative spacing of
+# float32 numbers). It only matters where the low-precision math is exact.
+ATOL = 2 * float(np.finfo(np.float32).eps) * 0.3
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "compute_dtype"))
+def _reference(q, k, v, *, causal, softmax_scale, compute_dtype):
+    return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                               compute_dtype=compute_dtype)
+
+
+def references(q, k, v, *, causal, softmax_scale=None):
+    """-> ((out_ref, lse_ref) float32, (out_lp, lse_lp) in the input dtype's math)."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ref = _reference(*f32, causal=causal, softmax_scale=scale, compute_dtype="float32")
+    lp = _reference(q, k, v, causal=causal, softmax_scale=scale,
+                    compute_dtype=jnp.dtype(q.dtype).name)
+    return ref, lp
+
+
+@jax.jit
+def _rule_stats(got, ref, lp):
+    # One compiled function per shape: eager ops would compile a kernel each.
+    got, ref, lp = (x.astype(jnp.float32) for x in (got, ref, lp))
+    blind = jnp.isneginf(ref)
+
+    def max_err(x):
+        return jnp.max(jnp.where(blind, 0.0, jnp.abs(x - ref)), initial=0.0)
+
+    return dict(
+        inf_mismatch=jnp.any(jnp.isneginf(got) != blind),
+        # Poison check: everything else must be finite (no NaN, no unwritten garbage).
+        nonfinite=jnp.any(~(jnp.isfinite(got) | blind)),
+        lp_nonfinite=jnp.any(~(jnp.isfinite(lp) | blind)),
+        err=max_err(got),
+        lp_err=max_err(lp),
+    )
+
+
+def assert_rule(what, got, ref, lp, rtol=RTOL):
+    """The rule above; -inf entries of ref (rows that see no key) must be -inf in got."""
+    assert got.shape == ref.shape == lp.shape, f"{what}: shapes {got.shape}, {ref.shape}"
+    stats = jax.device_get(_rule_stats(got, ref, lp))
+    assert not stats["inf_mismatch"], f"{what}: -inf entries differ from the reference"
+    assert not stats["nonfinite"], f"{what}: non-finite values"
+    assert not stats["lp_nonfinite"], f"{what}: the low-precision baseline overflowed"
+    err, lp_err = float(stats["err"]), float(stats["lp_err"])
+    bound = rtol * lp_err + ATOL
+    assert err <= bound, (f"{what}: max|got - ref| = {err:.3e} > {rtol} * max|lp - ref| "
+                          f"({lp_err:.3e}) + atol ({ATOL:.1e}) = {bound:.3e}")
+
+
+def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None):
+    """out and lse of attention(q, k, v) against the rule."""
+    (out_ref, lse_ref), (out_lp, lse_lp) = references(q, k, v, causal=causal,
+                                                      softmax_scale=softmax_scale)
+    assert out.dtype == q.dtype and lse.dtype == jnp.float32
+    assert_rule(f"{what} out", out, out_ref, out_lp)
+    assert_rule(f"{what} lse", lse, lse_ref, lse_lp)
+
+
+def normal(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+
+
+@pytest.fixture(scope="session")
+def fa():
+    return types.SimpleNamespace(references=references, assert_rule=assert_rule,
+                                 assert_attention=assert_attention, normal=normal)

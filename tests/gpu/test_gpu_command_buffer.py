@@ -1,0 +1,109 @@
+"""The kernel inside XLA command buffers (CUDA graphs), forced on for custom calls.
+
+XLA reads XLA_FLAGS once, when the backend starts, so the jitted function runs in a
+subprocess; it saves its inputs, outputs and compiled HLO, and this process checks them.
+Since jax 0.11 (XLA's thunk-level command buffer pass) command buffers do not show in
+the compiled HLO; XLA's dump of the thunk sequence shows them (`kCommandBuffer`, with
+the thunks it holds indented below it).
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+
+pytestmark = pytest.mark.gpu
+
+XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
+
+SCRIPT = textwrap.dedent("""
+    import sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_fa4
+
+    @jax.jit
+    def attention_in_graph(q, k, v):
+        # Fusions before and after the custom call, so a command buffer can hold them all.
+        q = (q.astype(jnp.float32) * 2).astype(q.dtype)
+        out, lse = jax_fa4.attention(q, k, v, causal=True, return_lse=True,
+                                     implementation="cute")
+        return q, out, lse, jnp.sum(jnp.tanh(lse)) + jnp.sum(out.astype(jnp.float32) ** 2)
+
+    saved = {}
+    for i, seed in enumerate((0, 1)):
+        q, k, v = (jax.random.normal(key, (2, 700, 4, 128), jnp.float32).astype(jnp.bfloat16)
+                   for key in jax.random.split(jax.random.key(seed), 3))
+        if i == 0:
+            saved["hlo"] = np.array(attention_in_graph.lower(q, k, v).compile().as_text())
+        # The first call records the graph, later calls replay it (with new data for i=1).
+        calls = [attention_in_graph(q, k, v) for _ in range(3)]
+        for j, (q2, out, lse, extra) in enumerate(calls):
+            for name, x in (("out", out), ("lse", lse), ("extra", extra)):
+                saved[f"{name}_{i}_{j}"] = np.asarray(x, np.float32)
+        for name, x in (("q", q2), ("k", k), ("v", v)):
+            saved[f"{name}_{i}"] = np.asarray(x, np.float32)  # bf16 -> f32 is exact
+    np.savez(sys.argv[1], **saved)
+""")
+
+
+def _custom_calls_in_command_buffers(thunks: str) -> list[int]:
+    """Ids of the kCustomCall thunks nested in a kCommandBuffer, from XLA's dump
+    `*.thunk_sequence_after_thunk_passes.txt` (nesting is shown by indentation)."""
+    inside, enclosing = [], []
+    for line in thunks.splitlines():
+        m = re.match(r"(\s*)(\d+): (k\w+)", line)
+        if not m:
+            continue
+        indent, thunk_id, kind = len(m[1]), int(m[2]), m[3]
+        while enclosing and enclosing[-1][0] >= indent:
+            enclosing.pop()
+        if kind == "kCustomCall" and any(k == "kCommandBuffer" for _, k in enclosing):
+            inside.append(thunk_id)
+        enclosing.append((indent, kind))
+    return inside
+
+
+def test_kernel_in_forced_command_buffer(fa, tmp_path):
+    result, dump = tmp_path / "result.npz", tmp_path / "xla_dump"
+    package_root = pathlib.Path(jax_fa4.__file__).resolve().parents[1]
+    flags = f"{XLA_FLAGS} --xla_dump_to={dump}"
+    env = dict(os.environ,
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flags}".strip(),
+               # This process already holds most of the GPU memory.
+               XLA_PYTHON_CLIENT_PREALLOCATE="false",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(package_root),
+                                                        os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(result)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    saved = np.load(result)
+
+    # The kernel's call is the only custom call, so a custom-call thunk inside a command
+    # buffer is it.
+    targets = re.findall(r'custom_call_target="([^"]+)"', str(saved["hlo"]))
+    assert targets == ["jax_fa4_fwd"], targets
+    dumps = sorted(dump.glob("*jit_attention_in_graph*.thunk_sequence_after_thunk_passes.txt"))
+    assert dumps, f"no thunk sequence dumped in {dump}"
+    thunks = dumps[0].read_text()
+    assert "kCommandBuffer" in thunks, thunks
+    assert _custom_calls_in_command_buffers(thunks), (
+        f"jax_fa4_fwd is not inside a command buffer:\n{thunks}")
+
+    for i in (0, 1):
+        q, k, v = (jnp.asarray(saved[f"{n}_{i}"], jnp.bfloat16) for n in "qkv")
+        out, lse = saved[f"out_{i}_0"], saved[f"lse_{i}_0"]
+        fa.assert_attention(f"inputs {i}", jnp.asarray(out, jnp.bfloat16), lse, q, k, v,
+                            causal=True)
+        extra = np.sum(np.tanh(lse)) + np.sum(out.astype(np.float64) ** 2)
+        np.testing.assert_allclose(saved[f"extra_{i}_0"], extra, rtol=1e-4)
+        for j in (1, 2):  # replays of the recorded graph give the same bits
+            for name in ("out", "lse", "extra"):
+                np.testing.assert_array_equal(saved[f"{name}_{i}_{j}"], saved[f"{name}_{i}_0"])
