@@ -1,0 +1,23 @@
+"""The FLOP convention of the FlashAttention papers and ../shared/anchors.
+
+forward  = 2 * B * H * (visible (query, key) pairs) * (D + Dv)
+           (4 * B * H * S * S * D for square non-causal; half of it for square causal)
+backward = 2.5 * forward
+"""
+
+
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
+    """Pairs (i, j) with j < Sk, and j <= i + Sk - Sq when causal (bottom-right).
+
+    Square causal counts S * S / 2, the papers' convention, not S * (S + 1) / 2."""
+    if not causal:
+        return seqlen_q * seqlen_k
+    if seqlen_q == seqlen_k:
+        return seqlen_q * seqlen_k // 2
+    offset = seqlen_k - seqlen_q
+    return sum(min(seqlen_k, max(0, i + offset + 1)) for i in range(seqlen_q))
+
+
+def attention_flops(b, h, seqlen_q, seqlen_k, d, causal, mode, dv=None):
+    fwd = 2 * b * h * visible_pairs(seqlen_q, seqlen_k, causal) * (d + (dv or d))
+    return fwd * (2.5 if mode == "bwd" else 1.0)

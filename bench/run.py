@@ -1,0 +1,100 @@
+"""Attention throughput of jax_fa4 next to the other JAX backends, on one GPU.
+
+    python -m bench.run                                   # the standard table
+    python -m bench.run --hdims 128 --seqlens 8192 --backends jax_fa4,jax_cudnn
+
+Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
+2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
+GPU (CUPTI kernel time, bench/timing.py). Prints a table (ms, TFLOP/s, jax_fa4 over the best peer) and
+appends one JSON line per measurement, with the fields of the anchors file, to --out.
+The stored upstream FlashAttention-4 (PyTorch) anchor is shown for reference.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+
+from bench.backends import BACKENDS
+from bench.flops import attention_flops
+from bench.timing import make_timer
+
+TOKENS, HIDDEN = 16384, 2048
+ANCHORS = pathlib.Path(__file__).with_name("anchors_h100.jsonl")
+ANCHOR_BACKEND = "fa4_cute"
+
+
+def load_anchors():
+    table = {}
+    if ANCHORS.exists():
+        for line in ANCHORS.read_text().splitlines():
+            r = json.loads(line)
+            if r.get("backend") == ANCHOR_BACKEND and "tflops" in r:
+                table[(r["d"], r["s"], r["causal"], r["mode"])] = r["tflops"]
+    return table
+
+
+def measure(timer, backend, b, s, h, d, causal, dtype, iterations):
+    keys = jax.random.split(jax.random.key(0), 3)
+    q, k, v = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys)
+    ms = timer(BACKENDS[backend](causal), q, k, v, iterations=iterations)
+    flops = attention_flops(b, h, s, s, d, causal, "fwd")
+    return {"ms": ms, "tflops": flops / ms / 1e9}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--hdims", default="64,128,256")
+    ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
+    ap.add_argument("--causal", default="false,true")
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.jsonl"))
+    args = ap.parse_args()
+
+    backends = args.backends.split(",")
+    unknown = set(backends) - set(BACKENDS)
+    if unknown:
+        ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")
+    dtype = getattr(jnp, args.dtype)
+    anchors = load_anchors()
+    device = jax.devices()[0].device_kind
+    method, timer = make_timer()
+    print(f"# {device}, jax {jax.__version__}, {args.dtype}, forward, timing: {method}")
+    header = ["d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
+    header += ["fa4/best peer", f"{ANCHOR_BACKEND} (anchor)"]
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
+
+    with open(args.out, "a") as out:
+        for d in (int(x) for x in args.hdims.split(",")):
+            for causal in (c == "true" for c in args.causal.split(",")):
+                for s in (int(x) for x in args.seqlens.split(",")):
+                    b, h = max(1, TOKENS // s), HIDDEN // d
+                    row = {}
+                    for be in backends:
+                        rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d,
+                                   causal=causal, mode="fwd", timing=method, device=device)
+                        try:
+                            rec.update(measure(timer, be, b, s, h, d, causal, dtype,
+                                               args.iterations))
+                            row[be] = rec
+                        except Exception as e:  # a peer that cannot run a cell is reported
+                            rec.update(mode="error", err=repr(e)[:300])
+                        out.write(json.dumps(rec) + "\n")
+                    cells = [f"{row[be]['ms']:.3f} / {row[be]['tflops']:.0f}" if be in row else "-"
+                             for be in backends]
+                    peers = [row[be]["tflops"] for be in row if be != "jax_fa4"]
+                    ratio = (f"{row['jax_fa4']['tflops'] / max(peers):.2f}"
+                             if "jax_fa4" in row and peers else "-")
+                    anchor = anchors.get((d, s, causal, "fwd"))
+                    cells += [ratio, f"{anchor:.0f}" if anchor else "-"]
+                    print(f"| {d} | {causal} | {s} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Quick start. Sets up .venv (Python >= 3.12), builds and installs jax_fa4, then:
+#   bash run.sh demo    runs attention on whatever backend is present (examples/demo.py)
+#   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU)
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${VENV:-.venv}
+
+find_python() {
+  local c
+  for c in "${PYTHON:-}" python3.12 python3.13 python3 \
+           "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python3; do
+    [ -n "$c" ] || continue
+    if "$c" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then
+      echo "$c"; return 0
+    fi
+  done
+  echo "run.sh: need Python >= 3.12 (set PYTHON=...)" >&2
+  return 1
+}
+
+setup() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$(find_python)" -m venv "$VENV"
+  fi
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  mkdir -p build
+  echo "building jax_fa4 (kernel export + native module); log: build/install.log"
+  # The full log goes to a file; milestones and one line per kernel go to the terminal.
+  local status
+  set +e
+  "$VENV/bin/python" -m pip install -v ".[test]" 2>&1 | tee build/install.log |
+    grep --line-buffered -E '^ *(Installing build dependencies|Building wheel|\[[0-9]+/[0-9]+\] fwd_|exported [0-9]+ kernels|Successfully installed)'
+  status=${PIPESTATUS[0]}
+  set -e
+  if [ "$status" -ne 0 ]; then
+    tail -n 60 build/install.log
+    echo "run.sh: install failed; full log in build/install.log" >&2
+    return 1
+  fi
+}
+
+case "${1:-}" in
+  demo) setup && "$VENV/bin/python" examples/demo.py ;;
+  test) setup && "$VENV/bin/python" -m pytest -q tests ;;
+  *) echo "usage: bash run.sh demo|test" >&2; exit 2 ;;
+esac
