@@ -42,6 +42,8 @@ setup() {
 
 case "${1:-}" in
   demo) setup && "$VENV/bin/python" examples/demo.py ;;
-  test) setup && "$VENV/bin/python" -m pytest -q tests ;;
+  # The pytest executable (not python -m) keeps the source tree off sys.path, so the
+  # tests import the installed package with its native module, which they then require.
+  test) setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q tests ;;
   *) echo "usage: bash run.sh demo|test" >&2; exit 2 ;;
 esac

@@ -2,8 +2,11 @@
 
 gpu: needs a CUDA GPU and the built native module; skipped elsewhere.
 native: needs the built native module jax_fa4._ffi (no GPU); skipped in a source
-    checkout that was not built.
+    checkout that was not built, unless JAX_FA4_REQUIRE_NATIVE=1 (set by `run.sh test`,
+    hence CI), which turns a missing module into an error.
 """
+
+import os
 
 import jax
 import pytest
@@ -19,11 +22,21 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group: cases --dist loadgroup keeps on one worker")
 
 
+def pytest_report_header(config):
+    import jax_fa4
+    from jax_fa4 import _registry
+
+    built = _registry.native_reason() or f"native module built, {len(jax_fa4.kernels())} kernels"
+    return f"jax_fa4 from {os.path.dirname(jax_fa4.__file__)} ({built}); jax {jax.__version__}"
+
+
 def pytest_collection_modifyitems(config, items):
     from jax_fa4 import _registry
 
     backend = jax.default_backend()
     not_built = _registry.native_reason()
+    if not_built and os.environ.get("JAX_FA4_REQUIRE_NATIVE") == "1":
+        raise pytest.UsageError(f"JAX_FA4_REQUIRE_NATIVE=1 but {not_built}")
     for item in items:
         if "gpu" in item.keywords and backend != "gpu":
             item.add_marker(pytest.mark.skip(
