@@ -22,4 +22,13 @@ def fwd(q, k, v, spec: AttentionSpec):
         jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
-    return call(q, k, v, **spec.ffi_attributes())
+    return _varying_like(q, call(q, k, v, **spec.ffi_attributes()))
+
+
+def _varying_like(operand, results):
+    """Inside shard_map, results vary over the operand's manual mesh axes (ffi_call
+    types them as given, i.e. invariant)."""
+    varying = tuple(sorted(jax.typeof(operand).manual_axis_type.varying))
+    if not varying:
+        return results
+    return tuple(jax.lax.pcast(r, varying, to="varying") for r in results)

@@ -11,7 +11,7 @@ import functools
 
 import jax
 
-from jax_fa4 import _ffi_calls
+from jax_fa4 import _ffi_calls, _sharding
 from jax_fa4._reference import reference_attention
 from jax_fa4._spec import AttentionSpec
 
@@ -20,7 +20,7 @@ def _reference(spec: AttentionSpec, q, k, v):
     return reference_attention(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale)
 
 
-def _forward(spec: AttentionSpec, q, k, v):
+def _forward_on_shard(spec: AttentionSpec, q, k, v):
     kernel = functools.partial(_ffi_calls.fwd, spec=spec)
     if spec.path == "cute":
         return kernel(q, k, v)
@@ -29,6 +29,13 @@ def _forward(spec: AttentionSpec, q, k, v):
     # one jitted function runs the kernel on CUDA and the reference elsewhere.
     return jax.lax.platform_dependent(
         q, k, v, cuda=kernel, default=functools.partial(_reference, spec))
+
+
+_sharded_forward = _sharding.sharded(_forward_on_shard)
+
+
+def _forward(spec: AttentionSpec, q, k, v):
+    return _sharded_forward(spec)(q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -13,6 +13,10 @@ import pytest
 
 # The kernels and the reference are 32-bit; keep 64-bit types out of every test.
 jax.config.update("jax_enable_x64", False)
+# Sharding tests partition over 8 CPU devices (the reference stands in for the kernel).
+# Must be set before any backend starts; it only affects the CPU platform.
+CPU_DEVICES = 8
+jax.config.update("jax_num_cpu_devices", CPU_DEVICES)
 
 
 def pytest_configure(config):

@@ -1,0 +1,142 @@
+"""Sharded jit on 8 CPU devices: the kernel path partitions over batch and heads with
+no collectives, equals the unsharded result, and refuses sequence / head_dim sharding.
+
+The `built` fixture selects the kernel path; on CPU its per-platform forward runs the
+reference, which stands in for the kernel inside each shard.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_fa4
+from jax_fa4 import _api
+
+COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
+
+
+@pytest.fixture
+def mesh():
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices (tests/conftest.py sets jax_num_cpu_devices)")
+    return Mesh(np.array(devices[:8]).reshape(2, 4), ("data", "model"))
+
+
+def inputs(b=8, sq=24, sk=40, h=8, d=64, dtype=jnp.bfloat16, seed=0):
+    """bf16 and a compiled head_dim, so that attention takes the kernel path."""
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, sq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(keys[1], (b, sk, h, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(keys[2], (b, sk, h, d), jnp.float32).astype(dtype)
+    dout = jax.random.normal(keys[3], (b, sq, h, d), jnp.float32).astype(dtype)
+    return q, k, v, dout
+
+
+def loss_and_grads(q, k, v, dout, causal):
+    def loss(q, k, v):
+        out, lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True)
+        return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+
+def assert_kernel_path(q, k, v, causal):
+    """The call must take the kernel path (per-platform: the reference on this CPU)."""
+    spec = _api._plan(q, k, v, causal=causal, softmax_scale=None, return_lse=True,
+                      implementation=None)
+    assert spec.path == "platform", spec
+
+
+def assert_same(got, want):
+    """Equal up to one rounding of the result dtype: per-shard programs may fuse the
+    float32 reductions differently, which can move a value across a bf16 rounding."""
+    ulp = float(jnp.finfo(want.dtype).eps)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=ulp, atol=ulp)
+
+
+def compiled_text(fn, *args):
+    return fn.lower(*args).compile().as_text()
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model", None), P(("data", "model")),
+                                  P(None, None, ("data", "model"), None)],
+                         ids=["batch+heads", "batch", "heads"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_batch_and_head_sharding_needs_no_collectives(built, mesh, spec, causal):
+    q, k, v, dout = inputs()
+    assert_kernel_path(q, k, v, causal)
+    shard = NamedSharding(mesh, spec)
+    fwd = jax.jit(functools.partial(jax_fa4.attention, causal=causal, return_lse=True),
+                  in_shardings=(shard,) * 3)
+    text = compiled_text(fwd, q, k, v)
+    assert not COLLECTIVES.findall(text), COLLECTIVES.findall(text)
+    out, lse = fwd(q, k, v)
+    ref_out, ref_lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
+                                         implementation="reference")
+    assert_same(out, ref_out)
+    assert_same(lse, ref_lse)
+    assert out.sharding.is_equivalent_to(shard, 4)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sharded_gradients_need_no_collectives_and_match(built, mesh, causal):
+    q, k, v, dout = inputs()
+    shard = NamedSharding(mesh, P("data", None, "model", None))
+    step = jax.jit(functools.partial(loss_and_grads, causal=causal), in_shardings=(shard,) * 4)
+    text = compiled_text(step, q, k, v, dout)
+    # Only the scalar loss terms are reduced across devices.
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    reduced = re.findall(r"= (\S.*?) all-reduce\(", text)
+    assert reduced and all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced), reduced
+    (value, grads) = step(q, k, v, dout)
+    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(q, k, v, dout)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("spec,axis", [(P(None, "data", None, None), "sequence"),
+                                       (P(None, None, None, "model"), "head_dim")])
+def test_sequence_or_head_dim_sharding_is_refused(built, mesh, spec, axis):
+    q, k, v, _ = inputs()
+    shard = NamedSharding(mesh, spec)
+    fwd = jax.jit(jax_fa4.attention, in_shardings=(shard,) * 3)
+    with pytest.raises(Exception, match=f"sharded along its {axis} axis"):
+        fwd.lower(q, k, v).compile()
+
+
+def test_shard_map_runs_per_shard(built, mesh):
+    q, k, v, _ = inputs()
+    spec = P("data", None, "model", None)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(spec,) * 3,
+                       out_specs=(spec, P("data", "model", None)))
+    def per_shard(q, k, v):
+        return jax_fa4.attention(q, k, v, causal=True, return_lse=True)
+
+    out, lse = per_shard(q, k, v)
+    ref_out, ref_lse = jax_fa4.attention(q, k, v, causal=True, return_lse=True,
+                                         implementation="reference")
+    assert_same(out, ref_out)
+    assert_same(lse, ref_lse)
+    assert not COLLECTIVES.findall(compiled_text(per_shard, q, k, v))
+
+
+def test_vmap_folds_into_batch(built):
+    q, k, v, _ = inputs(b=2)
+    stack = lambda x: jnp.stack([x, x[::-1]])  # noqa: E731
+    out = jax.jit(jax.vmap(functools.partial(jax_fa4.attention, causal=True)))(
+        stack(q), stack(k), stack(v))
+    for i in range(2):
+        ref = jax_fa4.attention(stack(q)[i], stack(k)[i], stack(v)[i], causal=True,
+                                implementation="reference")
+        assert_same(out[i], ref)
