@@ -1,22 +1,28 @@
 """jax_fa4: FlashAttention-4-style attention for JAX, with ahead-of-time CuTe-DSL kernels.
 
 Axis legend, used by every shape in this package:
-    B   batch
-    Sq  query sequence length
-    Sk  key / value sequence length
-    H   heads (query and key/value heads are equal for now)
-    D   head_dim
+    B        batch
+    Sq       query sequence length
+    Sk       key / value sequence length
+    Hq       query heads
+    Hkv      key / value heads (Hkv divides Hq: GQA / MQA when smaller)
+    D        head_dim of q and k
+    Dv       head_dim of v and out (usually D)
+    total_q  packed query rows of all sequences (attention_varlen)
+    total_k  packed key / value rows of all sequences (attention_varlen)
 
-    q (B, Sq, H, D); k, v (B, Sk, H, D); out (B, Sq, H, D); lse (B, H, Sq) float32.
+    q (B, Sq, Hq, D); k (B, Sk, Hkv, D); v (B, Sk, Hkv, Dv); out (B, Sq, Hq, Dv);
+    lse (B, Hq, Sq) float32. Varlen: q (total_q, Hq, D), k / v (total_k, Hkv, D / Dv),
+    out (total_q, Hq, Dv), lse (Hq, total_q).
 
-This is the layout of `jax.nn.dot_product_attention`. Causal masking is bottom-right
-aligned: query i sees key j iff j <= i + Sk - Sq.
+This is the layout of `jax.nn.dot_product_attention`. Causal masking and windows are
+bottom-right aligned by default: query i sees key j iff j <= i + Sk - Sq.
 
 The kernels run on Hopper GPUs through XLA FFI custom calls; everywhere else (CPU,
-other GPUs, unsupported configurations) a pure-JAX reference runs. `supports` says why
-the kernel would not run, `kernels` lists the compiled kernels.
+other GPUs, unsupported configurations or features) a pure-JAX reference runs. `supports`
+says why the kernel would not run, `kernels` lists the compiled kernels.
 """
 
-from jax_fa4._api import attention, kernels, supports
+from jax_fa4._api import attention, attention_varlen, kernels, supports
 
-__all__ = ["attention", "kernels", "supports"]
+__all__ = ["attention", "attention_varlen", "kernels", "supports"]

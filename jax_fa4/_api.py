@@ -1,4 +1,5 @@
-"""Public entry points: `attention`, `supports`, `kernels`; picks kernel or reference."""
+"""Public entry points: `attention`, `attention_varlen`, `supports`, `kernels`; picks
+kernel or reference."""
 
 from __future__ import annotations
 
@@ -8,49 +9,124 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import _registry, _vjp
-from jax_fa4._reference import reference_attention
+from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
 IMPLEMENTATIONS = (None, "cute", "reference")
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-              implementation=None):
+              implementation=None, alignment="bottom_right", window=None, softcap=None,
+              sinks=None, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+              kv_lengths=None):
     """Softmax attention, FlashAttention-style.
 
-    q (B, Sq, H, D), k and v (B, Sk, H, D) -> out (B, Sq, H, D), plus lse (B, H, Sq)
-    float32 (natural log) when `return_lse`.
+    q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv), plus
+    lse (B, Hq, Sq) float32 (natural log) when `return_lse`.
 
-    causal: bottom-right aligned, query i sees key j iff j <= i + Sk - Sq (the
-        FlashAttention convention; equals jax.nn's top-left mask when Sq == Sk). A query
-        row that sees no key gives out = 0 and lse = -inf.
+    Scores: s_ij = softmax_scale * q_i . k_j, then softcap; over the keys j that row i
+    sees, p_ij = exp(s_ij - lse_i), out_i = sum_j p_ij v_j, lse_i = log(sum_j exp(s_ij))
+    (+ exp(sink) inside the log with sinks). A query row that sees no key gives out = 0
+    and lse = -inf (lse = sink with sinks), without NaN in values or gradients.
+
+    GQA / MQA: Hkv must divide Hq; query head h reads KV head h // (Hq // Hkv).
+    Dv: v may have its own head_dim (e.g. D = 192, Dv = 128); out has Dv.
     softmax_scale: static Python number, default 1 / sqrt(D).
+    alignment: where query row i sits on the key axis, a(i), for causal and window:
+        "bottom_right" (default, FlashAttention): a(i) = i + Lk - Lq, so the last valid
+        query meets the last valid key; "top_left" (jax.nn's is_causal, jnp.tril):
+        a(i) = i. Lq, Lk are the valid lengths: q_lengths[b] / kv_lengths[b] when given
+        (each clipped to [0, S]), else Sq / Sk.
+    causal: query i sees key j iff j <= a(i).
+    window: (left, right), static non-negative ints or None (unbounded): query i sees key
+        j iff a(i) - left <= j <= a(i) + right. causal=True is right = 0: it combines
+        with (left, None) or (left, 0), and window (None, 0) is causal.
+    softcap: static number > 0: scores become softcap * tanh(s / softcap), applied to the
+        scaled scores s (FlashAttention; Gemma 2's attn_logit_softcapping), before masking.
+    sinks: (Hq,) float array (computed in float32; differentiable): one learnable logit per
+        head, in the units of the scaled (and softcapped) scores, added to every row's
+        softmax denominator with no value: p_ij = exp(s_ij) / (sum_j exp(s_ij) + exp(sink_h)).
+    q_segment_ids (B, Sq), kv_segment_ids (B, Sk): int32, given together: query i sees key
+        j only when their ids are equal (documents packed in one row). Positions for
+        causal / window stay the indices in the padded row (no reset per segment: for
+        per-document alignment use `attention_varlen`).
+    q_lengths, kv_lengths: (B,) int32: query rows i >= q_lengths[b] are padding (out = 0,
+        lse = -inf, even with sinks) and keys j >= kv_lengths[b] are invisible. They also
+        set Lq, Lk of bottom-right alignment (a decode step with a padded KV cache:
+        Sq = 1, kv_lengths = the cache lengths).
+    Segment ids, lengths and sinks are runtime arrays (traced); all other arguments are
+    static.
+
     implementation: None picks the kernel where it runs (Hopper GPU, supported
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
-        and raises NotImplementedError with the reason when it cannot run here;
-        "reference" forces the reference.
+        and raises NotImplementedError with the reason when it cannot run here (the
+        kernels do not support GQA, Dv != D, top_left, window, segment ids, lengths,
+        softcap or sinks yet: those calls always run the reference); "reference" forces
+        the reference.
 
     Differentiable in reverse mode: the backward is the reference's VJP for now (exact,
-    slow), and the cotangent of a returned lse flows into dq, dk, dv. Forward mode (jvp)
-    works on the reference path only (the kernel paths are a custom_vjp).
+    slow), and the cotangent of a returned lse flows into dq, dk, dv (and dsinks). Forward
+    mode (jvp) works on the reference path only (the kernel paths are a custom_vjp).
     """
+    arrays = dict(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+                  q_lengths=q_lengths, kv_lengths=kv_lengths)
     spec = _plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                 return_lse=return_lse, implementation=implementation)
-    out, lse = _run(spec, q, k, v)
+                 return_lse=return_lse, implementation=implementation, alignment=alignment,
+                 window=window, softcap=softcap, **arrays)
+    out, lse = _run(spec, q, k, v, **arrays)
     return (out, lse) if spec.return_lse else out
 
 
-def supports(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
-             implementation=None) -> tuple[bool, str]:
-    """Whether `attention(q, k, v, ..., implementation="cute")` would run here.
+def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                     causal=False, softmax_scale=None, return_lse=False,
+                     implementation=None, alignment="bottom_right", window=None,
+                     softcap=None, sinks=None):
+    """Attention over sequences of different lengths packed along one axis
+    (FlashAttention's flash_attn_varlen_func).
 
-    Takes arrays or jax.ShapeDtypeStruct and the keyword arguments of `attention`.
-    Returns (True, "") or (False, reason). Malformed input raises ValueError.
+    q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) -> out (total_q, Hq, Dv),
+    plus lse (Hq, total_q) float32 when `return_lse`.
+
+    cu_seqlens_q, cu_seqlens_k: (num_seqs + 1,) int32 runtime arrays, non-decreasing
+        cumulative offsets: sequence s is q rows cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1
+        and k/v rows cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1. Empty sequences are valid;
+        q rows outside every sequence give out = 0 and lse = -inf.
+    max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length (the kernels
+        size their grid with them; the reference does not need them).
+    Every sequence is an independent `attention` call: positions, alignment (bottom-right
+    meets the sequence's last query and key) and window are per sequence. The other
+    arguments are those of `attention`.
     """
     _check_implementation(implementation)
-    spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                     return_lse=return_lse)
+    spec = AttentionSpec.from_varlen_inputs(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
+        softmax_scale=softmax_scale, return_lse=return_lse, alignment=alignment,
+        window=window, softcap=softcap, sinks=sinks)
+    spec = _choose_path(spec, implementation)
+    # No kernel takes varlen yet, so _choose_path always picks the reference.
+    out, lse = reference_attention_varlen(
+        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
+        **spec.reference_options())
+    return (out, lse) if spec.return_lse else out
+
+
+def supports(q, k, v, **kwargs) -> tuple[bool, str]:
+    """Whether `attention(q, k, v, **kwargs, implementation="cute")` would run here
+    (`attention_varlen`'s, when kwargs hold cu_seqlens_q or cu_seqlens_k).
+
+    Takes arrays or jax.ShapeDtypeStruct (feature arrays too) and the keyword arguments
+    of `attention` / `attention_varlen`. Returns (True, "") or (False, reason): the reason
+    names the first feature the kernels lack, or what else is missing. Malformed input
+    raises ValueError.
+    """
+    _check_implementation(kwargs.pop("implementation", None))
+    kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
+    if "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs:
+        spec = AttentionSpec.from_varlen_inputs(q, k, v, **kwargs)
+    else:
+        spec = AttentionSpec.from_inputs(q, k, v, **kwargs)
     return _kernel_runs_here(spec)
 
 
@@ -60,14 +136,21 @@ def kernels() -> list[dict]:
     return _registry.manifest()
 
 
-def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation) -> AttentionSpec:
+def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
+          **features) -> AttentionSpec:
     """Validates everything and fixes the path, before anything is traced."""
     _check_implementation(implementation)
     spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                     return_lse=return_lse)
+                                     return_lse=return_lse, **features)
+    return _choose_path(spec, implementation)
+
+
+def _choose_path(spec: AttentionSpec, implementation) -> AttentionSpec:
     if implementation == "reference":
         return spec.with_path("reference")
     if implementation == "cute":
+        if reason := spec.feature_reason():
+            raise NotImplementedError(reason)
         if spec.kernel_dtype is None:
             raise ValueError(
                 f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
@@ -82,7 +165,10 @@ def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation) -> Atte
     return spec.with_path("platform")
 
 
-def _run(spec: AttentionSpec, q, k, v):
+def _run(spec: AttentionSpec, q, k, v, **arrays):
+    if spec.path == "reference":
+        # Handles empty problems itself: rows that see no key.
+        return reference_attention(q, k, v, **spec.reference_options(), **arrays)
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]
     if 0 in (batch, heads, seqlen_q, seqlen_k):
@@ -90,9 +176,6 @@ def _run(spec: AttentionSpec, q, k, v):
         # means out = 0 and lse = -inf (empty arrays when B, H or Sq is 0).
         out = jnp.zeros(q.shape, q.dtype)
         return out, jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
-    if spec.path == "reference":
-        return reference_attention(q, k, v, causal=spec.causal,
-                                   softmax_scale=spec.softmax_scale)
     return _vjp.attention(spec, q, k, v)
 
 

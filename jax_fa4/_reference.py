@@ -1,8 +1,10 @@
 """Pure-JAX attention: the CPU / non-Hopper path, the backward for now, the test oracle.
 
-Same conventions as the kernels: causal is bottom-right aligned (query i sees key j iff
-j <= i + Sk - Sq), LSE is the natural log, and a query row that sees no key gives
-out = 0 and lse = -inf without NaN in the value or in any gradient.
+Same conventions as the kernels (the contract is `jax_fa4.attention`'s docstring; which
+keys a query sees is `_masks`): causal and windows are bottom-right aligned unless
+alignment="top_left", LSE is the natural log, and a query row that sees no key gives
+out = 0 and lse = -inf (lse = sink with sinks) without NaN in the value or in any
+gradient. Memory is O(Sq * Sk) per (batch, head): the scores are materialized.
 """
 
 from __future__ import annotations
@@ -10,38 +12,90 @@ from __future__ import annotations
 import jax.numpy as jnp
 from jax import lax
 
+from jax_fa4 import _masks
+
 
 def reference_attention(q, k, v, *, causal: bool, softmax_scale: float,
-                        compute_dtype=jnp.float32):
-    """q (..., Sq, H, D), k/v (..., Sk, H, D) -> out (..., Sq, H, D) in q.dtype,
-    lse (..., H, Sq) float32.
+                        compute_dtype=jnp.float32, alignment: str = "bottom_right",
+                        window=None, softcap: float | None = None, sinks=None,
+                        q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+                        kv_lengths=None):
+    """q (..., Sq, Hq, D), k (..., Sk, Hkv, D), v (..., Sk, Hkv, Dv) -> out (..., Sq, Hq, Dv)
+    in q.dtype, lse (..., Hq, Sq) float32.
+
+    Features as in `jax_fa4.attention` (window: (left, right), right None when causal;
+    segment ids (..., Sq) / (..., Sk), lengths (...,), sinks (Hq,)); no validation here.
 
     `compute_dtype` is the dtype of the two matmuls and of their results: float32 for the
     reference, the input dtype for the "same math in low precision" baseline of the
-    numerics rule (KERNELS.md). As in FlashAttention's own reference, the softmax itself
-    always runs in float32 and P is rounded to `compute_dtype` before P @ V. HIGHEST
-    precision keeps float32 matmuls out of TF32 on GPUs.
+    numerics rule (KERNELS.md). As in FlashAttention's own reference, the softmax (and
+    softcap) always runs in float32 and P is rounded to `compute_dtype` before P @ V.
+    HIGHEST precision keeps float32 matmuls out of TF32 on GPUs.
     """
+    visibility = _masks.padded(
+        q.shape[-3], k.shape[-3], causal=causal, alignment=alignment, window=window,
+        q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids, q_lengths=q_lengths,
+        kv_lengths=kv_lengths)
+    return _attend(q, k, v, visibility, softmax_scale=softmax_scale, softcap=softcap,
+                   sinks=sinks, compute_dtype=compute_dtype)
+
+
+def reference_attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal: bool,
+                               softmax_scale: float, compute_dtype=jnp.float32,
+                               alignment: str = "bottom_right", window=None,
+                               softcap: float | None = None, sinks=None):
+    """q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv), cu_seqlens
+    (num_seqs + 1,) -> out (total_q, Hq, Dv), lse (Hq, total_q) float32.
+
+    One (total_q, total_k) score matrix per head, masked to the sequences' blocks.
+    """
+    visibility = _masks.varlen(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0],
+                               causal=causal, alignment=alignment, window=window)
+    return _attend(q, k, v, visibility, softmax_scale=softmax_scale, softcap=softcap,
+                   sinks=sinks, compute_dtype=compute_dtype)
+
+
+def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, sinks,
+            compute_dtype):
     cd = jnp.dtype(compute_dtype)
-    sq, sk = q.shape[-3], k.shape[-3]
-    s = jnp.einsum("...qhd,...khd->...hqk", q.astype(cd), k.astype(cd),
+    *lead, sq, heads_q, head_dim = q.shape
+    heads_kv, head_dim_v = k.shape[-2], v.shape[-1]
+    group = heads_q // heads_kv if heads_kv else 1
+    # Query head h reads KV head h // group: split Hq into (Hkv, group), never repeat K/V.
+    q = q.reshape(*lead, sq, heads_kv, group, head_dim)
+    s = jnp.einsum("...qhgd,...khd->...hgqk", q.astype(cd), k.astype(cd),
                    precision=lax.Precision.HIGHEST)
     s = s.astype(jnp.float32) * jnp.float32(softmax_scale)
-    if causal:
-        row = lax.broadcasted_iota(jnp.int32, (sq, sk), 0)
-        col = lax.broadcasted_iota(jnp.int32, (sq, sk), 1)
-        s = jnp.where(col <= row + (sk - sq), s, -jnp.inf)
-    # Safe max: a row with no visible key has max -inf; shifting by 0 there keeps
-    # exp(-inf - 0) = 0 instead of exp(-inf - -inf) = NaN. The shift cancels in the
-    # result, so it carries no gradient.
+    if softcap is not None:
+        s = jnp.float32(softcap) * jnp.tanh(s / jnp.float32(softcap))
+    if visibility.mask is not None:
+        s = jnp.where(visibility.mask[..., None, None, :, :], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True, initial=-jnp.inf)
+    if sinks is not None:
+        # The sink is one more logit per row, without a value: it joins the max and the
+        # denominator only.
+        sink = jnp.broadcast_to(
+            sinks.astype(jnp.float32).reshape(heads_kv, group, 1, 1), m.shape)
+        m = jnp.maximum(m, sink)
+    # Safe max: a row with no visible key (and no sink) has max -inf; shifting by 0 there
+    # keeps exp(-inf - 0) = 0 instead of exp(-inf - -inf) = NaN. The shift cancels in the
+    # result, so it carries no gradient.
     m = lax.stop_gradient(jnp.where(jnp.isfinite(m), m, jnp.zeros_like(m)))
     p = jnp.exp(s - m)
     l = jnp.sum(p, axis=-1, keepdims=True)
+    if sinks is not None:
+        l = l + jnp.exp(sink - m)
     seen = l > 0
     # Dividing by 1 where nothing was seen keeps out = 0 and the gradient finite.
     l_safe = jnp.where(seen, l, jnp.ones_like(l))
-    out = jnp.einsum("...hqk,...khd->...qhd", (p / l_safe).astype(cd), v.astype(cd),
+    out = jnp.einsum("...hgqk,...khd->...qhgd", (p / l_safe).astype(cd), v.astype(cd),
                      precision=lax.Precision.HIGHEST)
     lse = jnp.where(seen, m + jnp.log(l_safe), -jnp.inf)[..., 0]
+    out = out.reshape(*lead, sq, heads_q, head_dim_v)
+    lse = lse.reshape(*lead, heads_q, sq)
+    if visibility.q_valid is not None:
+        # Rows that are not queries (padding) see no key; with sinks they must still give
+        # out = 0 and lse = -inf rather than the sink.
+        out = jnp.where(visibility.q_valid[..., :, None, None], out, jnp.zeros_like(out))
+        lse = jnp.where(visibility.q_valid[..., None, :], lse, -jnp.inf)
     return out.astype(q.dtype), lse

@@ -1,8 +1,11 @@
 """AttentionSpec: every static choice of one attention call, validated at construction.
 
 The spec is the custom_vjp static argument, the key into the kernel manifest and the
-source of the FFI attributes. Only dtype and head_dim are read from the operands: batch,
-sequence lengths and heads stay runtime values (one kernel serves every size).
+source of the FFI attributes. Only dtypes, head counts and head dims are read from the
+operands: batch and sequence lengths stay runtime values (one kernel serves every size),
+and of the runtime feature arrays (sinks, segment ids, lengths, cu_seqlens) only their
+presence is static. It is also the one place that answers "can the kernel take this?"
+(`kernel_support`).
 
 Refusals: `ValueError` for malformed input, `NotImplementedError(reason)` (raised by the
 caller with `kernel_support()`'s reason) for a capability gap, both before tracing.
@@ -29,34 +32,119 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 #   "reference": the pure-JAX reference.
 PATHS = ("cute", "platform", "reference")
 
+# Where query row i is aligned on the key axis (see `_masks`).
+ALIGNMENTS = ("bottom_right", "top_left")
+
 
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     dtype: str  # numpy name of the q/k/v dtype, e.g. "bfloat16"
-    head_dim: int  # D
-    causal: bool  # bottom-right aligned: query i sees key j iff j <= i + Sk - Sq
+    head_dim: int  # D of q and k
+    causal: bool  # the band's right side is 0: query i sees no key after a(i)
     softmax_scale: float
     return_lse: bool
     path: str = "reference"  # one of PATHS, set by _api once it checked the platform
+    # Features the reference runs and the kernels do not yet (`feature_reason`); the
+    # defaults are the plain call. Canonical: equal calls give equal specs.
+    head_dim_v: int | None = None  # Dv of v and out; None at construction means D
+    group_size: int = 1  # Hq // Hkv, query heads per KV head (GQA/MQA when > 1)
+    alignment: str = "bottom_right"  # of causal / window; "bottom_right" when neither
+    window_left: int | None = None  # band's left side; None: unbounded
+    window_right: int | None = None  # band's right side; None: unbounded or causal
+    softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
+    has_sinks: bool = False
+    has_segment_ids: bool = False
+    has_q_lengths: bool = False
+    has_kv_lengths: bool = False
+    varlen: bool = False  # attention_varlen: sequences packed along one axis (cu_seqlens)
+    max_seqlen_q: int | None = None  # varlen only: bound on every sequence's length
+    max_seqlen_k: int | None = None
 
     def __post_init__(self):
         if self.path not in PATHS:
             raise ValueError(f"path must be one of {PATHS}; got {self.path!r}")
+        if self.alignment not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {self.alignment!r}")
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
 
     @classmethod
-    def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse) -> AttentionSpec:
-        """Validates q, k, v (arrays or ShapeDtypeStructs) and the static arguments."""
-        dtype, head_dim = _check_operands(q, k, v)
+    def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
+                    alignment="bottom_right", window=None, softcap=None, sinks=None,
+                    q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
+                    kv_lengths=None) -> AttentionSpec:
+        """Validates q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (arrays or
+        ShapeDtypeStructs), the feature arrays and the static arguments."""
+        dims = _check_operands(q, k, v, varlen=False)
+        batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
+        if (q_segment_ids is None) != (kv_segment_ids is None):
+            raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+        _check_int_array("q_segment_ids", q_segment_ids, (batch, sq), "(B, Sq)")
+        _check_int_array("kv_segment_ids", kv_segment_ids, (batch, sk), "(B, Sk)")
+        _check_int_array("q_lengths", q_lengths, (batch,), "(B,)")
+        _check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
+        return cls._build(
+            dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+            alignment=alignment, window=window, softcap=softcap, sinks=sinks,
+            has_segment_ids=q_segment_ids is not None, has_q_lengths=q_lengths is not None,
+            has_kv_lengths=kv_lengths is not None)
+
+    @classmethod
+    def from_varlen_inputs(cls, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                           max_seqlen_k, causal, softmax_scale, return_lse,
+                           alignment="bottom_right", window=None, softcap=None,
+                           sinks=None) -> AttentionSpec:
+        """Validates q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
+        cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32 and the static arguments."""
+        dims = _check_operands(q, k, v, varlen=True)
+        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+            if cu is None or not _is_array(cu) or len(cu.shape) != 1 or not cu.shape[0]:
+                raise ValueError(f"{name} must be an int32 array of shape (num_seqs + 1,); "
+                                 f"got {_describe(cu)}")
+            _check_int_array(name, cu, tuple(cu.shape), "(num_seqs + 1,)")
+        if cu_seqlens_q.shape != cu_seqlens_k.shape:
+            raise ValueError(
+                "cu_seqlens_q and cu_seqlens_k must have the same shape (num_seqs + 1,); "
+                f"got {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+        return cls._build(
+            dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
+            alignment=alignment, window=window, softcap=softcap, sinks=sinks, varlen=True,
+            max_seqlen_q=_static_int("max_seqlen_q", max_seqlen_q),
+            max_seqlen_k=_static_int("max_seqlen_k", max_seqlen_k))
+
+    @classmethod
+    def _build(cls, dims, *, causal, softmax_scale, return_lse, alignment, window, softcap,
+               sinks, **flags) -> AttentionSpec:
+        dtype, head_dim, head_dim_v, heads_q, heads_kv = dims
+        if sinks is not None and not (_is_array(sinks) and tuple(sinks.shape) == (heads_q,)
+                                      and jnp.issubdtype(sinks.dtype, jnp.floating)):
+            raise ValueError(f"sinks must be a floating-point array of shape (Hq,) = "
+                             f"({heads_q},); got {_describe(sinks)}")
+        causal, left, right = _band(_static_bool("causal", causal), window)
+        if alignment not in ALIGNMENTS:
+            raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {alignment!r}")
+        if not causal and left is None and right is None:
+            alignment = "bottom_right"  # no band: alignment means nothing
         return cls(
-            dtype=dtype,
-            head_dim=head_dim,
-            causal=_static_bool("causal", causal),
+            dtype=dtype, head_dim=head_dim, causal=causal,
             softmax_scale=_static_scale(softmax_scale, head_dim),
-            return_lse=_static_bool("return_lse", return_lse),
-        )
+            return_lse=_static_bool("return_lse", return_lse), head_dim_v=head_dim_v,
+            group_size=heads_q // heads_kv if heads_kv else 1, alignment=alignment,
+            window_left=left, window_right=right, softcap=_static_softcap(softcap),
+            has_sinks=sinks is not None, **flags)
 
     def with_path(self, path: str) -> AttentionSpec:
         return dataclasses.replace(self, path=path)
+
+    @property
+    def window(self) -> tuple[int | None, int | None]:
+        """(left, right) of the band beyond causal, the form the reference takes."""
+        return self.window_left, self.window_right
+
+    def reference_options(self) -> dict:
+        """The static keyword arguments of `_reference.reference_attention[_varlen]`."""
+        return dict(causal=self.causal, softmax_scale=self.softmax_scale,
+                    alignment=self.alignment, window=self.window, softcap=self.softcap)
 
     @property
     def kernel_dtype(self) -> str | None:
@@ -70,8 +158,31 @@ class AttentionSpec:
             return None
         return _registry.find_kernel("fwd", self.kernel_dtype, self.head_dim, self.causal)
 
+    def feature_reason(self) -> str:
+        """Why the kernels cannot take this spec's features; "" when they can."""
+        gaps = (
+            (self.varlen, "varlen (cu_seqlens)"),
+            (self.group_size != 1, f"GQA/MQA (Hq = {self.group_size} * Hkv)"),
+            (self.head_dim_v != self.head_dim,
+             f"head_dim_v != head_dim (D={self.head_dim}, Dv={self.head_dim_v})"),
+            (self.alignment != "bottom_right", "top_left alignment"),
+            (self.window != (None, None), "window"),
+            (self.has_segment_ids, "segment ids"),
+            (self.has_q_lengths or self.has_kv_lengths, "q_lengths / kv_lengths"),
+            (self.softcap is not None, "softcap"),
+            (self.has_sinks, "sinks"),
+        )
+        entry = "attention_varlen" if self.varlen else "attention"
+        for unsupported, feature in gaps:
+            if unsupported:
+                return (f"the kernels do not support {feature} yet; "
+                        f"{entry} uses the pure-JAX reference")
+        return ""
+
     def kernel_support(self) -> tuple[bool, str]:
         """Whether a compiled kernel covers this spec (devices are `_api`'s concern)."""
+        if reason := self.feature_reason():
+            return False, reason
         if self.kernel_dtype is None:
             return False, (
                 f"dtype {self.dtype} has no kernel; the kernels take bfloat16 or float16"
@@ -94,32 +205,36 @@ class AttentionSpec:
         return {"causal": self.causal, "softmax_scale": np.float32(self.softmax_scale)}
 
 
-def _check_operands(q, k, v) -> tuple[str, int]:
-    """Checks shapes and dtypes of q (B, Sq, H, D), k/v (B, Sk, H, D); -> (dtype, D)."""
+def _check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:
+    """Checks q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (no B in varlen);
+    -> (dtype, D, Dv, Hq, Hkv)."""
+    rank, legend = (3, "(total, H, D)") if varlen else (4, "(B, S, H, D)")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        if not _is_array(x):
             raise ValueError(
                 f"{name} must be an array or jax.ShapeDtypeStruct; got {type(x).__name__}"
             )
-        if len(x.shape) != 4:
+        if len(x.shape) != rank:
             raise ValueError(
-                f"{name} must have rank 4 (B, S, H, D); got shape {tuple(x.shape)}"
+                f"{name} must have rank {rank} {legend}; got shape {tuple(x.shape)}"
             )
     shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not q.shape[0] == k.shape[0] == v.shape[0]:
+    if not varlen and not q.shape[0] == k.shape[0] == v.shape[0]:
         raise ValueError(f"q, k, v must have the same batch size B; got {shapes}")
-    if not q.shape[2] == k.shape[2] == v.shape[2]:
+    (heads_q, head_dim), (heads_kv, _), head_dim_v = q.shape[-2:], k.shape[-2:], v.shape[-1]
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v must have the same number of heads Hkv; got {shapes}")
+    if heads_kv == 0 and heads_q != 0 or heads_kv and heads_q % heads_kv:
         raise ValueError(
-            f"q, k, v must have the same number of heads (Hq must equal Hkv for now); "
-            f"got {shapes}"
-        )
-    if not q.shape[3] == k.shape[3] == v.shape[3]:
-        raise ValueError(f"q, k, v must have the same head_dim D; got {shapes}")
-    if k.shape[1] != v.shape[1]:
+            f"the query heads Hq must be a multiple of the key/value heads Hkv (GQA/MQA); "
+            f"got {shapes}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim D; got {shapes}")
+    if k.shape[-3] != v.shape[-3]:
         raise ValueError(f"k and v must have the same sequence length Sk; got {shapes}")
-    head_dim = q.shape[3]
-    if not isinstance(head_dim, int) or head_dim < 1:
-        raise ValueError(f"head_dim D must be a static positive integer; got {head_dim!r}")
+    for name, dim in (("head_dim D", head_dim), ("head_dim Dv of v", head_dim_v)):
+        if not isinstance(dim, int) or dim < 1:
+            raise ValueError(f"{name} must be a static positive integer; got {dim!r}")
     dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
     if len(dtypes) != 1:
         raise ValueError(
@@ -128,7 +243,56 @@ def _check_operands(q, k, v) -> tuple[str, int]:
     (dtype,) = dtypes
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"q, k, v must have a floating-point dtype; got {dtype}")
-    return dtype.name, head_dim
+    return dtype.name, head_dim, head_dim_v, heads_q, heads_kv
+
+
+def _is_array(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _describe(x) -> str:
+    if _is_array(x):
+        return f"{jnp.dtype(x.dtype).name} array of shape {tuple(x.shape)}"
+    return repr(x) if x is None else type(x).__name__
+
+
+def _check_int_array(name: str, x, shape: tuple, legend: str) -> None:
+    """None, or an int32 array (or ShapeDtypeStruct) of exactly `shape`."""
+    if x is None:
+        return
+    if not (_is_array(x) and tuple(x.shape) == shape and jnp.dtype(x.dtype) == jnp.int32):
+        raise ValueError(
+            f"{name} must be an int32 array of shape {legend} = {shape}; got {_describe(x)}")
+
+
+def _band(causal: bool, window) -> tuple[bool, int | None, int | None]:
+    """(causal, left, right) in canonical form: right is None when causal, and a window
+    whose right side is 0 is causal."""
+    if window is None:
+        return causal, None, None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        raise ValueError(
+            f"window must be a (left, right) pair of non-negative ints or None; got {window!r}")
+    left = _static_int("window left side", window[0], allow_none=True)
+    right = _static_int("window right side", window[1], allow_none=True)
+    if causal and right:
+        raise ValueError(
+            f"causal=True means a window right side of 0; got window={tuple(window)} "
+            "(pass causal=False for a window that sees keys after the aligned one)")
+    return causal or right == 0, left, None if right == 0 else right
+
+
+def _static_int(name: str, value, *, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(f"{name} must be a static Python int, not a traced value")
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        kind = "int or None" if allow_none else "int"
+        raise ValueError(f"{name} must be a static Python {kind}; got {value!r}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0; got {value}")
+    return int(value)
 
 
 def _static_bool(name: str, value) -> bool:
@@ -137,21 +301,32 @@ def _static_bool(name: str, value) -> bool:
     raise ValueError(f"{name} must be a static Python bool; got {value!r}")
 
 
+def _static_number(name: str, value) -> float:
+    if isinstance(value, jax.core.Tracer):
+        raise ValueError(
+            f"{name} must be a static Python number, not a traced value: it is "
+            "compiled into the call (pass it as a constant or mark it static in jit)"
+        )
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise ValueError(
+            f"{name} must be a static Python number; got {type(value).__name__}"
+        )
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite; got {number}")
+    return number
+
+
 def _static_scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, jax.core.Tracer):
-        raise ValueError(
-            "softmax_scale must be a static Python number, not a traced value: it is "
-            "compiled into the call (pass it as a constant or mark it static in jit)"
-        )
-    if isinstance(softmax_scale, (bool, np.bool_)) or not isinstance(
-        softmax_scale, numbers.Real
-    ):
-        raise ValueError(
-            f"softmax_scale must be a static Python number; got {type(softmax_scale).__name__}"
-        )
-    scale = float(softmax_scale)
-    if not math.isfinite(scale):
-        raise ValueError(f"softmax_scale must be finite; got {scale}")
-    return scale
+    return _static_number("softmax_scale", softmax_scale)
+
+
+def _static_softcap(softcap) -> float | None:
+    if softcap is None:
+        return None
+    softcap = _static_number("softcap", softcap)
+    if softcap <= 0:
+        raise ValueError(f"softcap must be > 0 (or None for no softcap); got {softcap}")
+    return softcap

@@ -134,5 +134,5 @@ def test_kernels_lists_the_manifest():
 
 
 def test_public_surface():
-    assert sorted(jax_fa4.__all__) == ["attention", "kernels", "supports"]
+    assert sorted(jax_fa4.__all__) == ["attention", "attention_varlen", "kernels", "supports"]
     assert "B batch" in " ".join(jax_fa4.__doc__.split())

@@ -1,0 +1,229 @@
+"""Refusals of the features, before anything is traced: ValueError for malformed input,
+NotImplementedError / supports() naming the feature the kernels lack; the spec's
+canonical form; and that a call with a feature never lowers to the kernel.
+
+Inputs are jax.ShapeDtypeStruct (shape and dtype only), as in test_validation.py.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import _api
+from jax_fa4._spec import AttentionSpec
+
+
+def sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def ints(*shape, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+F32 = jnp.float32
+Q, KV = sds(2, 16, 4, 64), sds(2, 24, 4, 64)
+VQ, VKV = sds(40, 4, 64), sds(50, 2, 64)  # varlen: (total, H, D)
+CU = ints(4)
+VARLEN = dict(cu_seqlens_q=CU, cu_seqlens_k=CU, max_seqlen_q=16, max_seqlen_k=24)
+
+
+class Hopper:
+    compute_capability = "9.0"
+
+
+@pytest.fixture
+def hopper(built, monkeypatch):
+    """The kernel path as on a Hopper GPU (native module built or stood in for)."""
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+
+
+# ---------------------------------------------------------------- malformed input
+
+@pytest.mark.parametrize("k,v,kwargs,match", [
+    (sds(2, 24, 3, 64), sds(2, 24, 3, 64), {},
+     r"Hq must be a multiple of .*Hkv.*\(2, 24, 3, 64\)"),
+    (sds(2, 24, 0, 64), sds(2, 24, 0, 64), {}, r"Hq must be a multiple of"),
+    (KV, sds(2, 24, 4, 0), {}, r"head_dim Dv of v must be a static positive integer"),
+    (KV, KV, dict(alignment="bottom-right"),
+     r"alignment must be one of \('bottom_right', 'top_left'\)"),
+    (KV, KV, dict(alignment=None, causal=True), r"alignment must be one of"),
+    (KV, KV, dict(window=3), r"window must be a \(left, right\) pair .*; got 3"),
+    (KV, KV, dict(window=(1, 2, 3)), r"window must be a \(left, right\) pair"),
+    (KV, KV, dict(window=(-1, None)), r"window left side must be >= 0; got -1"),
+    (KV, KV, dict(window=(None, -2)), r"window right side must be >= 0; got -2"),
+    (KV, KV, dict(window=(1.5, None)),
+     r"window left side must be a static Python int or None; got 1.5"),
+    (KV, KV, dict(window=(True, None)), r"window left side must be a static Python int"),
+    (KV, KV, dict(window=(None, 1), causal=True),
+     r"causal=True means a window right side of 0; got window=\(None, 1\)"),
+    (KV, KV, dict(softcap=0.0), r"softcap must be > 0 \(or None for no softcap\); got 0.0"),
+    (KV, KV, dict(softcap=-1), r"softcap must be > 0"),
+    (KV, KV, dict(softcap=float("nan")), r"softcap must be finite"),
+    (KV, KV, dict(softcap="50"), r"softcap must be a static Python number; got str"),
+    (KV, KV, dict(sinks=sds(2, dtype=F32)),
+     r"sinks must be a floating-point array of shape \(Hq,\) = \(4,\); "
+     r"got float32 array of shape \(2,\)"),
+    (KV, KV, dict(sinks=ints(4)), r"sinks must be a floating-point array .*got int32"),
+    (KV, KV, dict(sinks=[0.0] * 4), r"sinks must be a floating-point array .*got list"),
+    (KV, KV, dict(q_segment_ids=ints(2, 16)),
+     r"q_segment_ids and kv_segment_ids must be given together"),
+    (KV, KV, dict(kv_segment_ids=ints(2, 24)), r"must be given together"),
+    (KV, KV, dict(q_segment_ids=ints(2, 24), kv_segment_ids=ints(2, 24)),
+     r"q_segment_ids must be an int32 array of shape \(B, Sq\) = \(2, 16\); "
+     r"got int32 array of shape \(2, 24\)"),
+    (KV, KV, dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24, dtype=jnp.int16)),
+     r"kv_segment_ids must be an int32 array of shape \(B, Sk\) = \(2, 24\); got int16"),
+    (KV, KV, dict(q_lengths=ints(3)),
+     r"q_lengths must be an int32 array of shape \(B,\) = \(2,\)"),
+    (KV, KV, dict(kv_lengths=sds(2, dtype=F32)), r"kv_lengths must be an int32 array .*float32"),
+    (KV, KV, dict(kv_lengths=[24, 24]), r"kv_lengths must be an int32 array .*got list"),
+])
+@pytest.mark.parametrize("entry", [jax_fa4.attention, jax_fa4.supports])
+def test_malformed_feature_arguments(entry, k, v, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        entry(Q, k, v, **kwargs)
+
+
+CU_SHAPE = r"cu_seqlens_q must be an int32 array of shape \(num_seqs \+ 1,\); "
+
+
+@pytest.mark.parametrize("q,k,v,kwargs,match", [
+    (Q, KV, KV, {}, r"q must have rank 3 \(total, H, D\); got shape \(2, 16, 4, 64\)"),
+    (VQ, sds(50, 3, 64), sds(50, 3, 64), {}, r"Hq must be a multiple of"),
+    (VQ, VKV, sds(49, 2, 64), {}, r"k and v must have the same sequence length"),
+    (VQ, VKV, VKV, dict(cu_seqlens_q=None), CU_SHAPE + "got None"),
+    (VQ, VKV, VKV, dict(cu_seqlens_q=ints(0)), CU_SHAPE + r"got int32 array of shape \(0,\)"),
+    (VQ, VKV, VKV, dict(cu_seqlens_k=ints(2, 2)), r"cu_seqlens_k must be .*shape \(2, 2\)"),
+    (VQ, VKV, VKV, dict(cu_seqlens_k=sds(4, dtype=F32)),
+     r"cu_seqlens_k must be an int32 array .*got float32"),
+    (VQ, VKV, VKV, dict(cu_seqlens_k=ints(5)),
+     r"cu_seqlens_q and cu_seqlens_k must have the same shape .*\(4,\) and \(5,\)"),
+    (VQ, VKV, VKV, dict(max_seqlen_q=None), r"max_seqlen_q must be a static Python int; got None"),
+    (VQ, VKV, VKV, dict(max_seqlen_k=24.0), r"max_seqlen_k must be a static Python int; got 24.0"),
+    (VQ, VKV, VKV, dict(max_seqlen_k=-1), r"max_seqlen_k must be >= 0; got -1"),
+    (VQ, VKV, VKV, dict(max_seqlen_q=True), r"max_seqlen_q must be a static Python int"),
+    (VQ, VKV, VKV, dict(sinks=sds(2, dtype=F32)),
+     r"sinks must be a floating-point array of shape \(Hq,\) = \(4,\)"),
+    (VQ, VKV, VKV, dict(window=(None, 2), causal=True),
+     r"causal=True means a window right side of 0"),
+])
+@pytest.mark.parametrize("entry", [jax_fa4.attention_varlen, jax_fa4.supports])
+def test_malformed_varlen_arguments(entry, q, k, v, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        entry(q, k, v, **{**VARLEN, **kwargs})
+
+
+def test_traced_static_arguments():
+    q = jnp.zeros((1, 4, 2, 8), jnp.float32)
+    cases = [
+        (lambda q, x: jax_fa4.attention(q, q, q, window=(x, None)), "window left side"),
+        (lambda q, x: jax_fa4.attention(q, q, q, softcap=x), "softcap"),
+        (lambda q, x: jax_fa4.attention_varlen(
+            q[0], q[0], q[0], cu_seqlens_q=jnp.array([0, 4], jnp.int32),
+            cu_seqlens_k=jnp.array([0, 4], jnp.int32), max_seqlen_q=x, max_seqlen_k=4),
+         "max_seqlen_q"),
+    ]
+    for fn, name in cases:
+        with pytest.raises(ValueError, match=f"{name} must be a static Python .*not a traced"):
+            jax.jit(fn)(q, 3)
+
+
+# ------------------------------------------------- capability gaps: supports and "cute"
+
+GQA_KV = sds(2, 24, 2, 64)
+FEATURES = [
+    (Q, GQA_KV, GQA_KV, {}, "GQA/MQA (Hq = 2 * Hkv)"),
+    (Q, sds(2, 24, 1, 64), sds(2, 24, 1, 64), {}, "GQA/MQA (Hq = 4 * Hkv)"),
+    (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128), {},
+     "head_dim_v != head_dim (D=192, Dv=128)"),
+    (Q, KV, KV, dict(causal=True, alignment="top_left"), "top_left alignment"),
+    (Q, KV, KV, dict(window=(128, 0)), "window"),
+    (Q, KV, KV, dict(window=(None, 5)), "window"),
+    (Q, KV, KV, dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24)), "segment ids"),
+    (Q, KV, KV, dict(kv_lengths=ints(2)), "q_lengths / kv_lengths"),
+    (Q, KV, KV, dict(q_lengths=ints(2)), "q_lengths / kv_lengths"),
+    (Q, KV, KV, dict(softcap=30.0), "softcap"),
+    (Q, KV, KV, dict(sinks=sds(4, dtype=F32)), "sinks"),
+    # The first gap is named.
+    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "GQA/MQA (Hq = 2 * Hkv)"),
+    (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32)), "softcap"),
+]
+
+
+@pytest.mark.parametrize("q,k,v,kwargs,feature", FEATURES)
+def test_features_are_refused_by_the_kernel_path(hopper, q, k, v, kwargs, feature):
+    reason = f"the kernels do not support {feature} yet; attention uses the pure-JAX reference"
+    assert jax_fa4.supports(q, k, v, **kwargs) == (False, reason)
+    with pytest.raises(NotImplementedError, match=f"^{re.escape(reason)}$"):
+        jax_fa4.attention(q, k, v, implementation="cute", **kwargs)
+    # The default path takes the reference, also when lowered for CUDA.
+    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.ShapeDtypeStruct)}
+    static = {n: x for n, x in kwargs.items() if n not in arrays}
+    lowered = jax.jit(lambda q, k, v, arrays: jax_fa4.attention(q, k, v, **static, **arrays)
+                      ).trace(q, k, v, arrays).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_fa4_fwd" not in lowered
+
+
+def test_feature_refusal_comes_before_other_gaps(monkeypatch):
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
+    with pytest.raises(NotImplementedError, match="do not support softcap yet"):
+        jax_fa4.attention(f32, f32, f32, softcap=2.0, implementation="cute")
+    assert "softcap" in jax_fa4.supports(f32, f32, f32, softcap=2.0)[1]
+
+
+def test_varlen_is_refused_by_the_kernel_path(hopper):
+    reason = ("the kernels do not support varlen (cu_seqlens) yet; "
+              "attention_varlen uses the pure-JAX reference")
+    assert jax_fa4.supports(VQ, VKV, VKV, **VARLEN) == (False, reason)
+    with pytest.raises(NotImplementedError, match=re.escape(reason)):
+        jax_fa4.attention_varlen(VQ, VKV, VKV, implementation="cute", **VARLEN)
+
+
+def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
+    # Canonical spec: a window (None, 0) is causal, alignment without a band is moot,
+    # Dv == D and Hq == Hkv are no feature.
+    assert jax_fa4.supports(Q, KV, KV, window=(None, 0)) == (True, "")
+    assert jax_fa4.supports(Q, KV, KV, window=(None, None), alignment="top_left") == (True, "")
+    q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
+    lowered = jax.jit(lambda q: jax_fa4.attention(q, q, q, window=(None, 0))).trace(q).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.search(r"custom_call @jax_fa4_fwd\(.*causal = true", lowered)
+
+
+# ------------------------------------------------------------------- canonical spec
+
+def _spec(**kwargs):
+    return AttentionSpec.from_inputs(Q, KV, KV, softmax_scale=None, return_lse=False,
+                                     **{"causal": False, **kwargs})
+
+
+def test_spec_canonical_band():
+    causal_left = _spec(causal=True, window=(3, None))
+    assert causal_left == _spec(causal=True, window=(3, 0)) == _spec(window=(3, 0))
+    assert (causal_left.causal, causal_left.window) == (True, (3, None))
+    assert _spec(window=(None, 0)) == _spec(causal=True) == _spec(causal=True, window=[None, None])
+    assert _spec(alignment="top_left") == _spec()
+    assert _spec(causal=True, alignment="top_left").alignment == "top_left"
+    assert _spec(window=(np.int64(2), 1)).window == (2, 1)
+    hash(_spec(window=(1, 2), softcap=3, sinks=sds(4, dtype=F32)))
+
+
+def test_spec_records_features():
+    spec = AttentionSpec.from_inputs(
+        sds(2, 16, 8, 192), sds(2, 24, 2, 192), sds(2, 24, 2, 128), causal=False,
+        softmax_scale=None, return_lse=True, softcap=30, sinks=sds(8, dtype=jnp.float32),
+        q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24), kv_lengths=ints(2))
+    assert (spec.head_dim, spec.head_dim_v, spec.group_size) == (192, 128, 4)
+    assert spec.softmax_scale == pytest.approx(192 ** -0.5)  # 1 / sqrt(D), not Dv
+    assert (spec.softcap, spec.has_sinks, spec.has_segment_ids) == (30.0, True, True)
+    assert (spec.has_q_lengths, spec.has_kv_lengths, spec.varlen) == (False, True, False)
+    varlen = AttentionSpec.from_varlen_inputs(VQ, VKV, VKV, causal=True, softmax_scale=0.1,
+                                              return_lse=False, **VARLEN)
+    assert (varlen.varlen, varlen.max_seqlen_q, varlen.max_seqlen_k) == (True, 16, 24)
+    assert varlen.group_size == 2
