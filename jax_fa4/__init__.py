@@ -21,8 +21,13 @@ bottom-right aligned by default: query i sees key j iff j <= i + Sk - Sq.
 The kernels run on Hopper GPUs through XLA FFI custom calls; everywhere else (CPU,
 other GPUs, unsupported configurations or features) a pure-JAX reference runs. `supports`
 says why the kernel would not run, `kernels` lists the compiled kernels.
+`ring_attention` (with `zigzag` / `unzigzag`) splits sequences across devices inside
+`shard_map`. Framework adapters live in `jax_fa4.flax` and `jax_fa4.equinox` (imported
+on demand).
 """
 
 from jax_fa4._api import attention, attention_varlen, kernels, supports
+from jax_fa4._context_parallel import ring_attention, unzigzag, zigzag
 
-__all__ = ["attention", "attention_varlen", "kernels", "supports"]
+__all__ = ["attention", "attention_varlen", "kernels", "ring_attention", "supports",
+           "unzigzag", "zigzag"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_fa4._sharding import vary_like
 from jax_fa4._spec import AttentionSpec
 
 FWD_TARGET = "jax_fa4_fwd"
@@ -22,13 +23,4 @@ def fwd(q, k, v, spec: AttentionSpec):
         jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
-    return _varying_like(q, call(q, k, v, **spec.ffi_attributes()))
-
-
-def _varying_like(operand, results):
-    """Inside shard_map, results vary over the operand's manual mesh axes (ffi_call
-    types them as given, i.e. invariant)."""
-    varying = tuple(sorted(jax.typeof(operand).manual_axis_type.varying))
-    if not varying:
-        return results
-    return tuple(jax.lax.pcast(r, varying, to="varying") for r in results)
+    return vary_like(q, call(q, k, v, **spec.ffi_attributes()))

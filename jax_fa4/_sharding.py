@@ -65,6 +65,16 @@ def sharded(forward):
     return for_spec
 
 
+def vary_like(ref, values):
+    """Inside shard_map, type `values` (a tuple) as varying over the same manual mesh
+    axes as `ref`: ffi_call results and fresh constants are typed invariant, and
+    branches and merges must agree."""
+    varying = tuple(sorted(jax.typeof(ref).manual_axis_type.varying))
+    if not varying:
+        return values
+    return tuple(jax.lax.pcast(x, varying, to="varying") for x in values)
+
+
 def _batch_and_head_axes(arg_shapes):
     """The mesh axes q is sharded over along batch and heads; refuses any sharding of
     the sequence or head_dim of q, k or v."""

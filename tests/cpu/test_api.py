@@ -134,5 +134,6 @@ def test_kernels_lists_the_manifest():
 
 
 def test_public_surface():
-    assert sorted(jax_fa4.__all__) == ["attention", "attention_varlen", "kernels", "supports"]
+    assert sorted(jax_fa4.__all__) == ["attention", "attention_varlen", "kernels",
+                                       "ring_attention", "supports", "unzigzag", "zigzag"]
     assert "B batch" in " ".join(jax_fa4.__doc__.split())
