@@ -1,7 +1,8 @@
 """The only place that builds XLA FFI calls to the native handlers (jax_fa4._ffi).
 
-Batching is quarantined here: the handlers fold every leading dimension into the batch,
-so vmap may add axes in front (`vmap_method="broadcast_all"`).
+vmap reaches these calls already folded into the batch (_sharding.py); the handlers
+also fold any leading dimensions into the batch, so `broadcast_all` is exact should a
+call be batched directly.
 """
 
 from __future__ import annotations

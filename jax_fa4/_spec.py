@@ -83,6 +83,8 @@ class AttentionSpec:
         _check_int_array("kv_segment_ids", kv_segment_ids, (batch, sk), "(B, Sk)")
         _check_int_array("q_lengths", q_lengths, (batch,), "(B,)")
         _check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
+        if alignment == "top_left" and sq == sk and q_lengths is None and kv_lengths is None:
+            alignment = "bottom_right"  # the same band when Sq == Sk: keeps the kernel path
         return cls._build(
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks,

@@ -123,3 +123,14 @@ def test_import_registers_once(monkeypatch):
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     assert len(expected_manifest) == 12
+
+
+def test_top_left_self_attention_keeps_the_kernel(built):
+    # With Sq == Sk (and no lengths) top-left and bottom-right are the same band, which
+    # is what the Flax / Equinox adapters rely on for causal self-attention.
+    x = sds(2, 64, 4, 64)
+    top_left = functools.partial(jax_fa4.attention, causal=True, alignment="top_left")
+    assert fwd_calls(top_left, x, x, x) == [(True, np.float32(64 ** -0.5))]
+    kv = sds(2, 80, 4, 64)
+    assert fwd_calls(top_left, x, kv, kv) == []
+    assert "top_left" in jax_fa4.supports(x, kv, kv, causal=True, alignment="top_left")[1]
