@@ -99,3 +99,31 @@ def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, s
         out = jnp.where(visibility.q_valid[..., :, None, None], out, jnp.zeros_like(out))
         lse = jnp.where(visibility.q_valid[..., None, :], lse, -jnp.inf)
     return out.astype(q.dtype), lse
+
+
+def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_scale: float):
+    """The FlashAttention backward from the forward's out and lse: the contract of the
+    backward kernels, and the kernel path's backward until they land.
+
+    With S = Q K^T, P = exp(scale * S - lse), dP = dO V^T, D = rowsum(dO * O) - dlse and
+    dS = P * (dP - D):  dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO.
+    q, out, dout (..., Sq, H, D); k, v (..., Sk, H, D); lse, dlse (..., H, Sq). Float32
+    math; dq, dk, dv come back in the dtypes of q, k, v. Causal is bottom-right aligned;
+    rows with lse = -inf (no visible key) contribute nothing.
+    """
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    highest = lax.Precision.HIGHEST
+    scale = jnp.float32(softmax_scale)
+    s = jnp.einsum("...qhd,...khd->...hqk", f32(q), f32(k), precision=highest) * scale
+    seen = jnp.isfinite(lse)[..., None]
+    mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment="bottom_right",
+                         window=None).mask
+    visible = seen if mask is None else seen & mask
+    p = jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0)
+    dp = jnp.einsum("...qhd,...khd->...hqk", f32(dout), f32(v), precision=highest)
+    d = jnp.einsum("...qhd,...qhd->...hq", f32(dout), f32(out), precision=highest) - f32(dlse)
+    ds = p * (dp - d[..., None])
+    dq = jnp.einsum("...hqk,...khd->...qhd", ds, f32(k), precision=highest) * scale
+    dk = jnp.einsum("...hqk,...qhd->...khd", ds, f32(q), precision=highest) * scale
+    dv = jnp.einsum("...hqk,...qhd->...khd", p, f32(dout), precision=highest)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -1,8 +1,10 @@
-"""custom_vjp of the kernel paths: kernel (or per-platform) forward, reference backward.
+"""custom_vjp of the kernel paths: kernel (or per-platform) forward, FlashAttention
+backward.
 
-The backward is jax.vjp of the pure-JAX reference: exact, including the cotangent of a
-returned lse, but slow (it materializes the (Sq, Sk) scores). Backward kernels replace
-`_bwd` alone; the residuals (q, k, v, out, lse) are already the ones they need.
+The backward is `reference_backward`: the FlashAttention formulas from the saved out and
+lse, in pure JAX, so exact (the cotangent of a returned lse included) but slow (it
+materializes the (Sq, Sk) scores). The backward kernels implement the same contract and
+will replace `_bwd`'s body alone.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import functools
 import jax
 
 from jax_fa4 import _ffi_calls, _sharding
-from jax_fa4._reference import reference_attention
+from jax_fa4._reference import reference_attention, reference_backward
 from jax_fa4._spec import AttentionSpec
 
 
@@ -51,10 +53,9 @@ def _fwd(spec, q, k, v):
 
 def _bwd(spec, residuals, cotangents):
     q, k, v, out, lse = residuals
-    # The reference recomputes out and lse itself; a backward kernel will read them.
-    del out, lse
-    _, vjp = jax.vjp(functools.partial(_reference, spec), q, k, v)
-    return vjp(cotangents)
+    dout, dlse = cotangents
+    return reference_backward(q, k, v, out, lse, dout, dlse, causal=spec.causal,
+                              softmax_scale=spec.softmax_scale)
 
 
 attention.defvjp(_fwd, _bwd)
