@@ -37,11 +37,20 @@ def load_anchors():
     return table
 
 
-def measure(timer, backend, b, s, h, d, causal, dtype, iterations):
-    keys = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys)
-    ms = timer(BACKENDS[backend](causal), q, k, v, iterations=iterations)
-    flops = attention_flops(b, h, s, s, d, causal, "fwd")
+def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None):
+    """{"ms", "tflops"} of one pass. The backward is timed as a whole vjp (which re-runs
+    the forward) minus `fwd_ms`, the convention of the anchors."""
+    keys = jax.random.split(jax.random.key(0), 4)
+    q, k, v, dout = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys)
+    attn = BACKENDS[backend](causal)
+    if mode == "fwd":
+        ms = timer(attn, q, k, v, iterations=iterations)
+    else:
+        def vjp(q, k, v, dout):
+            return jax.vjp(attn, q, k, v)[1](dout)
+
+        ms = timer(vjp, q, k, v, dout, iterations=iterations) - fwd_ms
+    flops = attention_flops(b, h, s, s, d, causal, mode)
     return {"ms": ms, "tflops": flops / ms / 1e9}
 
 
@@ -51,6 +60,7 @@ def main():
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true")
     ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--passes", default="fwd", help="fwd, bwd or fwd,bwd (bwd needs fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.jsonl"))
@@ -60,12 +70,17 @@ def main():
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")
+    passes = args.passes.split(",")
+    if not set(passes) <= {"fwd", "bwd"}:
+        ap.error("--passes takes fwd and/or bwd")
+    if "bwd" in passes and "fwd" not in passes:
+        passes.insert(0, "fwd")  # the backward time subtracts the forward's
     dtype = getattr(jnp, args.dtype)
     anchors = load_anchors()
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
-    print(f"# {device}, jax {jax.__version__}, {args.dtype}, forward, timing: {method}")
-    header = ["d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
+    print(f"# {device}, jax {jax.__version__}, {args.dtype}, timing: {method}")
+    header = ["pass", "d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
     header += ["fa4/best peer", f"{ANCHOR_BACKEND} (anchor)"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
@@ -75,25 +90,34 @@ def main():
             for causal in (c == "true" for c in args.causal.split(",")):
                 for s in (int(x) for x in args.seqlens.split(",")):
                     b, h = max(1, TOKENS // s), HIDDEN // d
-                    row = {}
-                    for be in backends:
-                        rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d,
-                                   causal=causal, mode="fwd", timing=method, device=device)
-                        try:
-                            rec.update(measure(timer, be, b, s, h, d, causal, dtype,
-                                               args.iterations))
-                            row[be] = rec
-                        except Exception as e:  # a peer that cannot run a cell is reported
-                            rec.update(mode="error", err=repr(e)[:300])
-                        out.write(json.dumps(rec) + "\n")
-                    cells = [f"{row[be]['ms']:.3f} / {row[be]['tflops']:.0f}" if be in row else "-"
-                             for be in backends]
-                    peers = [row[be]["tflops"] for be in row if be != "jax_fa4"]
-                    ratio = (f"{row['jax_fa4']['tflops'] / max(peers):.2f}"
-                             if "jax_fa4" in row and peers else "-")
-                    anchor = anchors.get((d, s, causal, "fwd"))
-                    cells += [ratio, f"{anchor:.0f}" if anchor else "-"]
-                    print(f"| {d} | {causal} | {s} | " + " | ".join(cells) + " |", flush=True)
+                    fwd = {}
+                    for mode in passes:
+                        row = {}
+                        for be in backends:
+                            rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d,
+                                       causal=causal, mode=mode, timing=method, device=device)
+                            try:
+                                if mode == "bwd" and be not in fwd:
+                                    raise RuntimeError("no forward time to subtract")
+                                rec.update(measure(timer, be, b, s, h, d, causal, dtype,
+                                                   args.iterations, mode, fwd.get(be)))
+                                row[be] = rec
+                                if mode == "fwd":
+                                    fwd[be] = rec["ms"]
+                            except Exception as e:  # a peer that cannot run a cell is reported
+                                rec.update(mode="error", err=repr(e)[:300], failed_mode=mode)
+                            out.write(json.dumps(rec) + "\n")
+                        print_row(row, backends, anchors, mode, d, causal, s)
+
+
+def print_row(row, backends, anchors, mode, d, causal, s):
+    cells = [f"{row[be]['ms']:.3f} / {row[be]['tflops']:.0f}" if be in row else "-"
+             for be in backends]
+    peers = [row[be]["tflops"] for be in row if be != "jax_fa4"]
+    ratio = f"{row['jax_fa4']['tflops'] / max(peers):.2f}" if "jax_fa4" in row and peers else "-"
+    anchor = anchors.get((d, s, causal, mode))
+    cells += [ratio, f"{anchor:.0f}" if anchor else "-"]
+    print(f"| {mode} | {d} | {causal} | {s} | " + " | ".join(cells) + " |", flush=True)
 
 
 if __name__ == "__main__":
