@@ -19,7 +19,7 @@ from jax_fa4._spec import AttentionSpec
 
 
 def _reference(spec: AttentionSpec, q, k, v):
-    return reference_attention(q, k, v, causal=spec.causal, softmax_scale=spec.softmax_scale)
+    return reference_attention(q, k, v, **spec.reference_options())
 
 
 def _forward_on_shard(spec: AttentionSpec, q, k, v):
