@@ -96,7 +96,76 @@ class FwdConfig:
         }
 
 
-MANIFEST: tuple[FwdConfig, ...] = tuple(
+# Backward head dims with a kernel. d256 needs its dK/dV accumulators split differently
+# (2 x 64 x 256 fp32 per warpgroup does not fit in registers) and is not built yet.
+BWD_HEAD_DIMS = (64, 128)
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdTile:
+    """Backward CTA tile: `n` keys stay in shared memory (64 per consumer warpgroup) while
+    the kernel walks the queries `m` rows at a time through a `q_stages`-deep ring."""
+
+    m: int
+    n: int
+    q_stages: int
+
+    @property
+    def consumers(self) -> int:
+        return self.n // 64
+
+
+@dataclasses.dataclass(frozen=True)
+class BwdConfig:
+    """One exported backward: preprocess, the KV-stationary main kernel and postprocess,
+    launched in order by one entry point. Atomic vs deterministic dQ is a runtime flag."""
+
+    dtype: str
+    head_dim: int
+    causal: bool
+    arch: str = "sm_90a"
+
+    def __post_init__(self):
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
+        if self.head_dim not in BWD_HEAD_DIMS:
+            raise ValueError(f"head_dim {self.head_dim} not in {BWD_HEAD_DIMS}")
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
+
+    @property
+    def kind(self) -> str:
+        return "bwd"
+
+    @property
+    def tile(self) -> BwdTile:
+        return BwdTile(m=64, n=128, q_stages=2)
+
+    @property
+    def name(self) -> str:
+        mask = "causal" if self.causal else "full"
+        arch = self.arch.removesuffix("a").replace("_", "")
+        return f"bwd_{arch}_{self.dtype}_d{self.head_dim}_{mask}"
+
+    def manifest_entry(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "arch": self.arch,
+            "dtype": self.dtype,
+            "head_dim": self.head_dim,
+            "causal": self.causal,
+            "tile_m": self.tile.m,
+            "tile_n": self.tile.n,
+        }
+
+
+FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
     FwdConfig(dtype=d, head_dim=h, causal=c)
     for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
 )
+BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
+    BwdConfig(dtype=d, head_dim=h, causal=c)
+    for d, h, c in itertools.product(DTYPES, BWD_HEAD_DIMS, (False, True))
+)
+MANIFEST = FWD_MANIFEST + BWD_MANIFEST

@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask
+from kernels.sm90 import mask, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -282,7 +282,7 @@ class FwdSm90:
         tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
         row0 = m_block * self.tile_m + c * CONSUMER_ROWS
         coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, d))))
-        tiled_r2s = self._o_store_copy(pv_mma)
+        tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
 
         if n_blocks > 0:
             if c == self.consumers - 1:
@@ -294,7 +294,7 @@ class FwdSm90:
             acc_s = thr_qk.make_fragment_C(s_shape)
             k_handle = k_consumer.wait_and_advance()
             self._wait_turn(c)
-            self._gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+            wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
             self._pass_turn(c)
             warpgroup.wait_group(0)
             k_handle.release()
@@ -319,7 +319,7 @@ class FwdSm90:
             # PV of the last visited block.
             self._rescale(acc_o, o_scale)
             v_handle = v_consumer.wait_and_advance()
-            self._gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
+            wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
             warpgroup.wait_group(0)
             v_handle.release()
             if c == 0:
@@ -344,10 +344,10 @@ class FwdSm90:
         acc_s = thr_qk.make_fragment_C(s_shape)
         k_handle = k_consumer.wait_and_advance()
         self._wait_turn(c)
-        self._gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+        wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
         self._rescale(acc_o, o_scale)
         v_handle = v_consumer.wait_and_advance()
-        self._gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
+        wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
         self._pass_turn(c)
         warpgroup.wait_group(1)
         k_handle.release()
@@ -385,14 +385,7 @@ class FwdSm90:
         # O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA.
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
-        thr_r2s = tiled_r2s.get_slice(tidx)
-        # retile groups (atom values, repetitions) in mode 0; the smem partition keeps
-        # repetitions in mode 2. Both step 16 columns per repetition.
-        src = tiled_r2s.retile(r_o)
-        (vals, reps), _, _ = src.layout.shape
-        (d_vals, d_reps), _, _ = src.layout.stride
-        src = cute.make_tensor(src.iterator, cute.make_layout((vals, 1, reps), stride=(d_vals, 0, d_reps)))
-        cute.copy(tiled_r2s, src, thr_r2s.partition_D(sQc))
+        wgmma.store_acc(tiled_r2s, r_o, sQc, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
         if warp % 4 == 0:
@@ -409,8 +402,7 @@ class FwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------ helpers
-    # A GEMM issue sets the atom's accumulate flag, which rebinds the tiled MMA's IR
-    # value; building a fresh (purely static) one per use keeps that value out of loops.
+    # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _qk_mma(self):
         k_major = OperandMajorMode.K
         return sm90_utils.make_trivial_tiled_mma(
@@ -423,21 +415,6 @@ class FwdSm90:
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
             (1, 1, 1), (CONSUMER_ROWS, self.head_dim), warpgroup.OperandSource.RMEM,
         )
-
-    def _o_store_copy(self, pv_mma):
-        """stmatrix copy of the O accumulator (rows of 16-bit values) into shared memory."""
-        store_atom = sm90_utils.get_smem_store_op(LayoutEnum.ROW_MAJOR, self.dtype, Float32)
-        stmatrix = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(False, 4), self.dtype)
-        return cute.make_tiled_copy_S(store_atom, cute.make_tiled_copy_C_atom(stmatrix, pv_mma))
-
-    @cute.jit
-    def _gemm(self, tiled_mma, acc, t_a, t_b, zero_init: cutlass.Constexpr):
-        """Issue one warpgroup GEMM over all k slices and commit it as one group."""
-        warpgroup.fence()
-        for kk in cutlass.range_constexpr(cute.size(t_a, mode=[2])):
-            tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kk == 0))
-            cute.gemm(tiled_mma, acc, t_a[None, None, kk], t_b[None, None, kk], acc)
-        warpgroup.commit_group()
 
     @cute.jit
     def _rescale(self, acc, row_scale):

@@ -59,3 +59,58 @@ def mask_block(
         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             if coord_rc[r, c][1] >= col_end:
                 s_rc[r, c] = -Float32.inf
+
+
+# ---------------------------------------------------------------- backward (KV-stationary)
+@cute.jit
+def q_block_range(
+    n_block: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
+):
+    """(m_begin, m_end, n_masked) for key block `n_block`: query tiles [m_begin, m_end)
+    see at least one of its keys, visited in ascending order; the first n_masked of them
+    can hold invisible elements (the causal diagonal; every tile when the block holds
+    the Sk tail)."""
+    m_end = (seqlen_q + tile_m - 1) // tile_m
+    m_begin = Int32(0)
+    n_masked = Int32(0)
+    if cutlass.const_expr(causal):
+        offset = seqlen_k - seqlen_q
+        # Query row q sees key j iff q >= j - offset.
+        first_row = cutlass.max(n_block * tile_n - offset, 0)  # sees the block's first key
+        full_row = cutlass.max((n_block + 1) * tile_n - 1 - offset, 0)  # sees all its keys
+        m_begin = cutlass.min(first_row // tile_m, m_end)
+        m_full = cutlass.min((full_row + tile_m - 1) // tile_m, m_end)
+        n_masked = m_full - m_begin
+    holds_tail = (n_block + 1) * tile_n > seqlen_k
+    n_masked = cutlass.select_(holds_tail, m_end - m_begin, n_masked)
+    return m_begin, m_end, n_masked
+
+
+@cute.jit
+def mask_block_kq(
+    s_rc: cute.Tensor,
+    coord_rc: cute.Tensor,
+    key0: Int32,
+    q0: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    causal: cutlass.Constexpr,
+):
+    """mask_block for a transposed block S^T: rows are keys (from key0), columns are
+    query rows (from q0)."""
+    big = Int32(1 << 30)
+    for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+        key = key0 + coord_rc[r, 0][0]
+        # First visible column of this key's row, relative to q0.
+        col_start = Int32(0)
+        if cutlass.const_expr(causal):
+            col_start = key - (seqlen_k - seqlen_q) - q0
+        col_start = cutlass.select_(key >= seqlen_k, big, col_start)
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            if coord_rc[r, c][1] < col_start:
+                s_rc[r, c] = -Float32.inf

@@ -1,0 +1,662 @@
+"""FlashAttention backward for Hopper (sm_90a): preprocess, KV-stationary main kernel,
+postprocess, launched in order by one entry point.
+
+Math, per (batch b, head h), runtime scale s, scale_log2 = s * log2(e), from the
+forward's O and natural-log LSE and the cotangents dO, dLSE:
+    P = exp2(S * scale_log2 - LSE2) with S = Q K^T and LSE2 = LSE * log2(e)
+    Dsum_i = sum_d dO_id O_id - dLSE_i
+    dV = P^T dO,   dS = P * (dO V^T - Dsum),   dK = s * dS^T Q,   dQ = s * dS K
+Invisible elements (kernels/sm90/mask.py) have P = 0; a row with LSE = -inf has P = 0.
+
+Operands (legend in kernels/README.md): mQ, mO, mdO, mdQ (B, Sq, H, D); mK, mV, mdK,
+mdV (B, Sk, H, D); mLSE, mdLSE (B, H, Sq) fp32. Workspaces, all written here first:
+mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
+(B, H, Sq_pad / tile_m * 2) int32, with Sq_pad = Sq rounded up to tile_m.
+
+1. preprocess, one CTA per (query tile, head, batch): LSE2 and Dsum (padding rows get
+   LSE2 = +inf, so their P is 0 without masking), zeroes the tile's dQ accumulator
+   and semaphores.
+2. main, one CTA per (block of tile_n keys, head, batch). Warpgroup roles:
+   0      warp 0 loads K and V once, then per query tile Q + LSE2 and dO + Dsum into
+          two q_stages-deep rings (TMA); warps 1 and 2 add consumer 1's and 2's dQ
+          partials to the fp32 accumulator with bulk reduce-adds.
+   1, 2   consumers, 64 keys each. Per query tile (64 rows), with S^T = K Q^T and
+          dP^T = V dO^T so that P^T and dS^T land in registers as the A operands of
+          dV += P^T dO and dK += dS^T Q; dS^T also goes to shared memory, where both
+          consumers read it for their half of the head dims of dQ = dS K.
+   Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
+   equals its key block index, then increments it: a fixed summation order.
+   Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
+3. postprocess, one CTA per (query tile, head, batch): dQ = s * accumulator, in dtype.
+
+The accumulator tile holds each consumer's dQ fragment value-major (value i of thread
+t at i * 128 + t): conflict-free shared-memory writes, and one contiguous bulk reduce
+per consumer. The postprocess maps values back to (row, col) with the same MMA layout.
+"""
+
+import enum
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
+from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
+from cutlass.tensor_utils import LayoutEnum
+
+from kernels.config import BwdConfig
+from kernels.sm90 import mask, wgmma
+from kernels.sm90.fragments import acc_as_operand_a, rows_cols
+
+WARPGROUP = 128
+WARP = 32
+KEYS_PER_CONSUMER = 64
+PRODUCER_REGS = 24
+CONSUMER_REGS = 240
+LOG2_E = math.log2(math.e)
+DTYPES = {"bf16": BFloat16, "fp16": Float16}
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids (0 is __syncthreads); consumer c uses DQ_EMPTY + c, DQ_FULL + c."""
+
+    DS_READY = 1  # both consumers: dS^T of this query tile is in shared memory
+    DQ_EMPTY = 2  # dQ writer -> consumer c: its dQ staging buffer may be overwritten
+    DQ_FULL = 4  # consumer c -> dQ writer: its dQ partial is staged
+    EPILOGUE = 6  # both consumers, around the dK/dV staging
+
+
+def _seq_major(t: cute.Tensor) -> cute.Tensor:
+    """(B, S, H, D) -> (S, D, H, B): a TMA box walks (S, D) inside one (head, batch)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
+
+
+def _row_major_3(t: cute.Tensor) -> cute.Tensor:
+    """(B, H, X) -> (X, H, B)."""
+    return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
+
+
+class BwdSm90:
+    def __init__(self, cfg: BwdConfig):
+        self.dtype = DTYPES[cfg.dtype]
+        self.head_dim = cfg.head_dim
+        self.causal = cfg.causal
+        self.tile_m = cfg.tile.m
+        self.tile_n = cfg.tile.n
+        self.q_stages = cfg.tile.q_stages
+        self.consumers = cfg.tile.consumers
+        assert self.tile_n == KEYS_PER_CONSUMER * self.consumers
+        self.threads = WARPGROUP * (1 + self.consumers)
+        # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
+        self.dq_cols = self.head_dim // self.consumers
+        self.dq_vals = self.tile_m * self.dq_cols // WARPGROUP  # per thread
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,
+        mK: cute.Tensor,
+        mV: cute.Tensor,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor,
+        mdQ: cute.Tensor,
+        mdK: cute.Tensor,
+        mdV: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
+        scale_log2: Float32,
+        scale: Float32,
+        deterministic: Int32,
+        stream: cuda.CUstream,
+    ):
+        batch, seqlen_q, heads, _ = mQ.shape
+        n_qtiles = cute.ceil_div(seqlen_q, self.tile_m)
+        self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDsum, mdQaccum, mSem).launch(
+            grid=(n_qtiles, heads, batch), block=[WARPGROUP, 1, 1], stream=stream
+        )
+        self._launch_main(
+            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
+            scale_log2, scale, deterministic, stream,
+        )
+        self.postprocess(mdQaccum, mdQ, scale).launch(
+            grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ preprocess
+    @cute.kernel
+    def preprocess(
+        self,
+        mO: cute.Tensor,
+        mdO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mdLSE: cute.Tensor,
+        mLSE2: cute.Tensor,
+        mDsum: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
+    ):
+        """128 threads, two per query row, each summing half of the head dims."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mO.shape[1]
+        half = self.head_dim // 2
+        row = m_block * self.tile_m + tidx // 2
+        total = Float32(0.0)
+        if row < seqlen_q:
+            o = cute.local_tile(mO[batch, row, head, None], (half,), (tidx % 2,))
+            do = cute.local_tile(mdO[batch, row, head, None], (half,), (tidx % 2,))
+            prod = o.load().to(Float32) * do.load().to(Float32)
+            total = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+        total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
+        if tidx % 2 == 0:
+            lse2 = Float32.inf  # padding rows: P = exp2(-inf) = 0
+            dsum = Float32(0.0)
+            if row < seqlen_q:
+                lse = mLSE[batch, head, row]
+                # a row with no visible key (lse = -inf) must also give P = 0
+                lse2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * LOG2_E)
+                dsum = total - mdLSE[batch, head, row]
+            mLSE2[batch, head, row] = lse2
+            mDsum[batch, head, row] = dsum
+        # This tile's dQ accumulator: tile_m * D floats, contiguous.
+        acc = cute.local_tile(
+            mdQaccum[batch, head, None], (self.tile_m * self.head_dim,), (m_block,)
+        )
+        per_thread = self.tile_m * self.head_dim // WARPGROUP
+        mine = cute.local_tile(acc, (per_thread,), (tidx,))
+        zeros = cute.make_rmem_tensor((per_thread,), Float32)
+        zeros.fill(0.0)
+        cute.autovec_copy(zeros, mine)
+        if tidx < self.consumers:
+            mSem[batch, head, m_block * self.consumers + tidx] = Int32(0)
+
+    # ------------------------------------------------------------------ postprocess
+    @cute.kernel
+    def postprocess(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32):
+        """One thread per (consumer, thread) of the main kernel's dQ fragment."""
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, head, batch = cute.arch.block_idx()
+        seqlen_q = mdQ.shape[1]
+        c = tidx // WARPGROUP
+        t = tidx % WARPGROUP
+        thr_dq = self._dq_mma().get_slice(t)
+        coord = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.dq_cols)))
+        part = self.tile_m * self.dq_cols
+        acc = cute.local_tile(
+            mdQaccum[batch, head, None], (part,), (m_block * self.consumers + c,)
+        )
+        for i in cutlass.range_constexpr(self.dq_vals):
+            row = m_block * self.tile_m + coord[i][0]
+            if row < seqlen_q:
+                val = acc[i * WARPGROUP + t] * scale
+                mdQ[batch, row, head, c * self.dq_cols + coord[i][1]] = val.to(self.dtype)
+
+    # ------------------------------------------------------------------ main
+    @cute.jit
+    def _launch_main(
+        self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
+        scale_log2, scale, deterministic, stream,
+    ):
+        dt, d = self.dtype, self.head_dim
+        q, k, v, do = _seq_major(mQ), _seq_major(mK), _seq_major(mV), _seq_major(mdO)
+        dk, dv = _seq_major(mdK), _seq_major(mdV)
+        lse2, dsum = _row_major_3(mLSE2), _row_major_3(mDsum)
+
+        sdp_tiler = (KEYS_PER_CONSUMER, self.tile_m, d)
+        # Q and dO: B operands of S^T / dP^T (K-major over D); transposed, of dK / dV.
+        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, sdp_tiler, dt, self.q_stages)
+        # V: A operand of dP^T. K: A operand of S^T and, transposed, the B operand of
+        # dQ = dS K where each consumer takes D / consumers columns: its swizzle atom
+        # must not be wider than that.
+        sV_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.ROW_MAJOR, (self.tile_n, self.tile_m, d), dt, 1
+        )
+        k_atom = make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.dq_cols), dt
+        )
+        sK_layout = cute.tile_to_shape(k_atom, (self.tile_n, d, 1), order=(0, 1, 2))
+        # dS as the A operand of dQ = dS K: (tile_m, tile_n), query rows contiguous, so
+        # consumers store their S^T-shaped fragments rows-of-keys first. Double
+        # buffered: a consumer may write the next tile's dS^T while the other still
+        # reads this one.
+        sdS_layout = sm90_utils.make_smem_layout_a(
+            LayoutEnum.COL_MAJOR, (self.tile_m, self.dq_cols, self.tile_n), dt, self.q_stages
+        )
+        sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        sK_one = cute.slice_(sK_layout, (None, None, 0))
+        sV_one = cute.slice_(sV_layout, (None, None, 0))
+        row_layout = cute.make_layout(self.tile_m)
+
+        load = cpasync.CopyBulkTensorTileG2SOp()
+        store = cpasync.CopyBulkTensorTileS2GOp()
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (self.tile_m, d))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load, do, sQ_one, (self.tile_m, d))
+        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, v, sV_one, (self.tile_n, d))
+        tma_atom_lse2, tma_lse2 = cpasync.make_tiled_tma_atom(load, lse2, row_layout, (self.tile_m,))
+        tma_atom_dsum, tma_dsum = cpasync.make_tiled_tma_atom(load, dsum, row_layout, (self.tile_m,))
+        tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, dk, sK_one, (self.tile_n, d))
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, dv, sV_one, (self.tile_n, d))
+        row_bytes = self.tile_m * 4
+        self.q_bytes = cute.size_in_bytes(dt, sQ_one) + row_bytes
+        self.kv_bytes = cute.size_in_bytes(dt, sK_one) + cute.size_in_bytes(dt, sV_one)
+        dq_floats = self.tile_m * d
+
+        @cute.struct
+        class Storage:
+            kv_full: cute.struct.MemRange[Int64, 1]
+            q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            do_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 128]
+            sDsum: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 128]
+            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+
+        self.storage = Storage
+        grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
+        self.kernel(
+            tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+            tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
+            tma_atom_dv, tma_dv, mdQaccum, mSem, scale_log2, scale, deterministic,
+            sQ_layout, sK_layout, sV_layout, sdS_layout,
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_q: cute.CopyAtom,
+        tma_q: cute.Tensor,
+        tma_atom_do: cute.CopyAtom,
+        tma_do: cute.Tensor,
+        tma_atom_k: cute.CopyAtom,
+        tma_k: cute.Tensor,
+        tma_atom_v: cute.CopyAtom,
+        tma_v: cute.Tensor,
+        tma_atom_lse2: cute.CopyAtom,
+        tma_lse2: cute.Tensor,
+        tma_atom_dsum: cute.CopyAtom,
+        tma_dsum: cute.Tensor,
+        tma_atom_dk: cute.CopyAtom,
+        tma_dk: cute.Tensor,
+        tma_atom_dv: cute.CopyAtom,
+        tma_dv: cute.Tensor,
+        mdQaccum: cute.Tensor,
+        mSem: cute.Tensor,
+        scale_log2: Float32,
+        scale: Float32,
+        deterministic: Int32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sV_layout: cute.ComposedLayout,
+        sdS_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
+        n_block, head, batch = cute.arch.block_idx()
+
+        storage = utils.SmemAllocator().allocate(self.storage)
+        sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
+        sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
+        rows = cute.make_layout((self.tile_m, self.q_stages))
+        sLSE2 = storage.sLSE2.get_tensor(rows)
+        sDsum = storage.sDsum.get_tensor(rows)
+        kv_full = storage.kv_full.data_ptr()
+
+        if warp == 0:
+            for atom in (tma_atom_q, tma_atom_do, tma_atom_k, tma_atom_v, tma_atom_lse2,
+                         tma_atom_dsum, tma_atom_dk, tma_atom_dv):
+                cpasync.prefetch_descriptor(atom)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_init(kv_full, 1)
+        q_producer, q_consumer = self._ring(storage.q_mbar.data_ptr())
+        do_producer, do_consumer = self._ring(storage.do_mbar.data_ptr())
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        seqlen_q = tma_q.shape[0]
+        seqlen_k = tma_k.shape[0]
+        m_begin, m_end, n_masked = mask.q_block_range(
+            n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal
+        )
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                self.load(
+                    tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k,
+                    tma_atom_v, tma_v, tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
+                    sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
+                    n_block, head, batch, m_begin, m_end,
+                )
+            if warp >= 1 and warp <= self.consumers:
+                self.dq_writer(
+                    storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
+                    n_block, head, batch, m_begin, m_end, tidx % WARP,
+                )
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            self.mma(
+                tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2, scale,
+                sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage.sdQ.data_ptr(), kv_full,
+                q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
+                n_block, head, batch, m_begin, m_end, n_masked, seqlen_q, seqlen_k,
+            )
+
+    def _ring(self, barriers):
+        return pipeline.PipelineTmaAsync.create(
+            barrier_storage=barriers,
+            num_stages=self.q_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
+            # one release per consumer warp (PipelineTmaAsync signals from lane 0)
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers),
+            tx_count=self.q_bytes,
+            defer_sync=True,
+        ).make_participants()
+
+    # ------------------------------------------------------------------ producer
+    @cute.jit
+    def load(
+        self,
+        tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
+        tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
+        sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
+        n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+    ):
+        d = self.head_dim
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(kv_full, self.kv_bytes)
+        for atom, src, dst in ((tma_atom_k, tma_k, sK), (tma_atom_v, tma_v, sV)):
+            g = cute.local_tile(src[None, None, head, batch], (self.tile_n, d), (n_block, 0))
+            s_part, g_part = cpasync.tma_partition(
+                atom, 0, cute.make_layout(1),
+                cute.group_modes(dst[None, None, 0], 0, 2), cute.group_modes(g, 0, 2),
+            )
+            cute.copy(atom, g_part, s_part, tma_bar_ptr=kv_full)
+
+        tQsQ, tQgQ = self._tile_partition(tma_atom_q, tma_q, sQ, head, batch)
+        tOsO, tOgO = self._tile_partition(tma_atom_do, tma_do, sdO, head, batch)
+        tLsL, tLgL = self._row_partition(tma_atom_lse2, tma_lse2, sLSE2, head, batch)
+        tDsD, tDgD = self._row_partition(tma_atom_dsum, tma_dsum, sDsum, head, batch)
+        for m in cutlass.range(m_begin, m_end, unroll=1):
+            q_producer = self._load_tile(
+                q_producer, tma_atom_q, tQgQ[None, m], tQsQ, tma_atom_lse2, tLgL[None, m], tLsL
+            )
+            do_producer = self._load_tile(
+                do_producer, tma_atom_do, tOgO[None, m], tOsO, tma_atom_dsum, tDgD[None, m], tDsD
+            )
+
+    def _tile_partition(self, atom, tma_t, ring, head, batch):
+        g = cute.local_tile(tma_t[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 2), cute.group_modes(g, 0, 2)
+        )
+
+    def _row_partition(self, atom, tma_t, ring, head, batch):
+        g = cute.local_tile(tma_t[None, head, batch], (self.tile_m,), (None,))
+        return cpasync.tma_partition(
+            atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 1), cute.group_modes(g, 0, 1)
+        )
+
+    @staticmethod
+    def _load_tile(producer, atom, src, ring, row_atom, row_src, row_ring):
+        """One ring slot: a (tile_m, D) tile and its per-row values; returns the
+        advanced producer so that loops rebind it."""
+        handle = producer.acquire_and_advance()
+        cute.copy(atom, src, ring[None, handle.index], tma_bar_ptr=handle.barrier)
+        cute.copy(row_atom, row_src, row_ring[None, handle.index], tma_bar_ptr=handle.barrier)
+        return producer
+
+    @cute.jit
+    def dq_writer(
+        self, sdQ_ptr, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+        c: Int32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        lane: Int32,
+    ):
+        """Reduce-adds consumer c's staged dQ partials into the accumulator. One writer
+        warp per consumer, so a deterministic wait for one half never delays the other.
+        Lane 0 issues and waits for every bulk copy (bulk groups are per thread)."""
+        part = self.tile_m * self.dq_cols
+        acc_row = mdQaccum[batch, head, None]
+        sem_row = mSem[batch, head, None]
+        src = sdQ_ptr + c * part
+        for m in cutlass.range(m_begin, m_end, unroll=1):
+            self._dq_barrier(Barrier.DQ_FULL + c).arrive_and_wait()
+            if lane == 0:
+                slot = m * self.consumers + c
+                flag = sem_row.iterator + slot
+                if deterministic != 0:
+                    # this tile's earlier key blocks have all added their partials
+                    turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                    while turn != n_block:
+                        turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                _bulk_reduce_add_f32(acc_row.iterator + slot * part, src, part * 4)
+                cute.arch.cp_async_bulk_commit_group()
+                if deterministic != 0:
+                    cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not just read
+                    cute.arch.fence_proxy("async.global")
+                    cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
+                else:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if m + 1 < m_end:
+                self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
+        if lane == 0:
+            cute.arch.cp_async_bulk_wait_group(0)
+
+    def _dq_barrier(self, barrier_id):
+        return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)
+
+    # ------------------------------------------------------------------ consumers
+    @cute.jit
+    def mma(
+        self,
+        tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
+        sQ, sdO, sK, sV, sdS, sLSE2, sDsum, sdQ_ptr, kv_full, q_consumer, do_consumer,
+        c: Int32, tidx: Int32, warp: Int32,
+        n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+    ):
+        d, tm = self.head_dim, self.tile_m
+        thr_sdp = self._sdp_mma().get_slice(tidx)
+        dkv_mma = self._dkv_mma()
+        thr_dkv = dkv_mma.get_slice(tidx)
+        thr_dq = self._dq_mma().get_slice(tidx)
+        sK_c = cute.local_tile(sK[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
+        sV_c = cute.local_tile(sV[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
+        frags = _Fragments(
+            k=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK_c)),
+            q=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
+            v=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV_c)),
+            do=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
+            do_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(wgmma.transposed(sdO))),
+            q_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(wgmma.transposed(sQ))),
+            ds=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
+            k_t=thr_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(
+                wgmma.transposed(sK[None, None, 0]), (self.dq_cols, self.tile_n), (c, 0)))),
+        )
+        sdS_t = wgmma.transposed(sdS)  # (tile_n keys, tile_m queries, stages)
+        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((KEYS_PER_CONSUMER, d)))
+        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((KEYS_PER_CONSUMER, d)))
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        s_shape = thr_sdp.partition_shape_C((KEYS_PER_CONSUMER, tm))
+        coord_s = rows_cols(thr_sdp.partition_C(cute.make_identity_tensor((KEYS_PER_CONSUMER, tm))))
+        # P^T and dS^T in the input dtype, viewed as register A operands.
+        r_p = cute.make_rmem_tensor(thr_sdp.make_fragment_C(s_shape).layout, self.dtype)
+        r_ds = cute.make_rmem_tensor(thr_sdp.make_fragment_C(s_shape).layout, self.dtype)
+        p_op = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
+        ds_op = cute.make_tensor(r_ds.iterator, acc_as_operand_a(r_ds.layout))
+        ds_r2s = wgmma.acc_store_copy(self._sdp_mma(), self.dtype)
+        sdQ_c = cute.make_tensor(
+            sdQ_ptr + c * tm * self.dq_cols, cute.make_layout((self.dq_vals, WARPGROUP), stride=(WARPGROUP, 1))
+        )
+        key0 = n_block * self.tile_n + c * KEYS_PER_CONSUMER
+
+        cute.arch.mbarrier_wait(kv_full, 0)
+        for i in cutlass.range(n_masked, unroll=1):
+            q_consumer, do_consumer = self._step(
+                True, m_begin + i, m_begin, frags, s_shape, coord_s, r_p, r_ds, p_op, ds_op,
+                acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum, scale_log2,
+                q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+            )
+        for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
+            q_consumer, do_consumer = self._step(
+                False, m, m_begin, frags, s_shape, coord_s, r_p, r_ds, p_op, ds_op,
+                acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum, scale_log2,
+                q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+            )
+        self.epilogue(
+            acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
+            sK, sV, c, tidx, warp, n_block, head, batch,
+        )
+
+    @cute.jit
+    def _step(
+        self,
+        is_masked: cutlass.Constexpr,
+        m: Int32,
+        m_begin: Int32,
+        frags,
+        s_shape, coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c,
+        sLSE2, sDsum, scale_log2: Float32, q_consumer, do_consumer,
+        c: Int32, tidx: Int32, key0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+    ):
+        """One query tile: five GEMMs, P and dS in registers, dQ partial staged."""
+        thr_sdp = self._sdp_mma().get_slice(tidx)
+        thr_dq = self._dq_mma().get_slice(tidx)
+        q_handle = q_consumer.wait_and_advance()
+        stage = q_handle.index
+        acc_s = thr_sdp.make_fragment_C(s_shape)
+        wgmma.gemm(self._sdp_mma(), acc_s, frags.k, frags.q[None, None, None, stage], True)
+        do_handle = do_consumer.wait_and_advance()
+        acc_dp = thr_sdp.make_fragment_C(s_shape)
+        wgmma.gemm(self._sdp_mma(), acc_dp, frags.v, frags.do[None, None, None, stage], True)
+
+        warpgroup.wait_group(1)  # S^T
+        s_rc = rows_cols(acc_s)
+        if cutlass.const_expr(is_masked):
+            mask.mask_block_kq(
+                s_rc, coord_s, key0, m * self.tile_m, seqlen_q, seqlen_k, self.causal
+            )
+        for col in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            lse2 = sLSE2[coord_s[0, col][1], stage]
+            for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
+                s_rc[r, col] = cute.math.exp2(s_rc[r, col] * scale_log2 - lse2, fastmath=True)
+        r_p.store(acc_s.load().to(self.dtype))
+        wgmma.gemm(self._dkv_mma(), acc_dv, p_op, frags.do_t[None, None, None, stage], False)
+
+        warpgroup.wait_group(1)  # dP^T
+        dp_rc = rows_cols(acc_dp)
+        for col in cutlass.range_constexpr(cute.size(dp_rc, mode=[1])):
+            dsum = sDsum[coord_s[0, col][1], stage]
+            for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
+                dp_rc[r, col] = s_rc[r, col] * (dp_rc[r, col] - dsum)
+        r_ds.store(acc_dp.load().to(self.dtype))
+        wgmma.gemm(self._dkv_mma(), acc_dk, ds_op, frags.q_t[None, None, None, stage], False)
+
+        my_ds_rows = cute.local_tile(sdS_t[None, None, stage], (KEYS_PER_CONSUMER, self.tile_m), (c, 0))
+        wgmma.store_acc(ds_r2s, r_ds, my_ds_rows, tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(Barrier.DS_READY, WARPGROUP * self.consumers).arrive_and_wait()
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_cols)))
+        wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
+        warpgroup.wait_group(0)
+        q_handle.release()
+        do_handle.release()
+
+        # Stage the dQ partial for the writer warp, value-major (module docstring).
+        if m > m_begin:
+            self._dq_barrier(Barrier.DQ_EMPTY + c).arrive_and_wait()
+        for i in cutlass.range_constexpr(self.dq_vals):
+            sdQ_c[i, tidx] = acc_dq[i]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self._dq_barrier(Barrier.DQ_FULL + c).arrive()
+        return q_consumer, do_consumer
+
+    @cute.jit
+    def epilogue(
+        self, acc_dk, acc_dv, dkv_mma, scale: Float32,
+        tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, sK, sV,
+        c: Int32, tidx: Int32, warp: Int32, n_block: Int32, head: Int32, batch: Int32,
+    ):
+        """dK * scale and dV -> this consumer's rows of the K and V buffers -> TMA."""
+        d = self.head_dim
+        r_dk = cute.make_rmem_tensor_like(acc_dk, self.dtype)
+        r_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
+        r_dk.store((acc_dk.load() * scale).to(self.dtype))
+        r_dv.store(acc_dv.load().to(self.dtype))
+        barrier = pipeline.NamedBarrier(Barrier.EPILOGUE, WARPGROUP * self.consumers)
+        barrier.arrive_and_wait()  # both consumers' GEMMs have stopped reading K and V
+        r2s = wgmma.acc_store_copy(dkv_mma, self.dtype)
+        for vals, buf in ((r_dk, sK), (r_dv, sV)):
+            rows = cute.local_tile(buf[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
+            wgmma.store_acc(r2s, vals, rows, tidx)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        barrier.arrive_and_wait()
+        if warp == WARPGROUP // WARP:  # first consumer warp
+            for atom, tma_t, buf in ((tma_atom_dk, tma_dk, sK), (tma_atom_dv, tma_dv, sV)):
+                g = cute.local_tile(tma_t[None, None, head, batch], (self.tile_n, d), (n_block, 0))
+                s_part, g_part = cpasync.tma_partition(
+                    atom, 0, cute.make_layout(1),
+                    cute.group_modes(buf[None, None, 0], 0, 2), cute.group_modes(g, 0, 2),
+                )
+                cute.copy(atom, s_part, g_part)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    # ------------------------------------------------------------------ tiled MMAs
+    # Fresh per GEMM issue (wgmma.py says why). Each is one warpgroup's.
+    def _sdp_mma(self):
+        """S^T = K Q^T and dP^T = V dO^T: (64 keys, tile_m queries), both K-major."""
+        k_major = OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1),
+            (KEYS_PER_CONSUMER, self.tile_m),
+        )
+
+    def _dkv_mma(self):
+        """dV += P^T dO and dK += dS^T Q: (64 keys, D), A from registers."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (1, 1, 1), (KEYS_PER_CONSUMER, self.head_dim), warpgroup.OperandSource.RMEM,
+        )
+
+    def _dq_mma(self):
+        """dQ = dS K: (tile_m, D / consumers); dS and K^T both MN-major in shared memory."""
+        mn_major = OperandMajorMode.MN
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, mn_major, mn_major, Float32, (1, 1, 1),
+            (self.tile_m, self.dq_cols),
+        )
+
+
+class _Fragments:
+    """The wgmma operand fragments of the five GEMMs (static views of shared memory)."""
+
+    def __init__(self, **views):
+        self.__dict__.update(views)
+
+
+def _bulk_reduce_add_f32(dst, src, num_bytes: int):
+    """cp.reduce.async.bulk add of `num_bytes` fp32 from shared `src` to global `dst`
+    (one bulk_group copy; commit and wait with the cp_async_bulk_* ops)."""
+    cute.arch.inline_ptx(
+        "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [{$r0}], [{$r1}], {$r2};",
+        read_only_args=[dst, src, Int32(num_bytes)],
+    )
