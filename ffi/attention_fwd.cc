@@ -12,9 +12,9 @@
 
 #include <cmath>
 #include <cstdint>
-#include <limits>
 #include <string>
 
+#include "handler_common.h"
 #include "kernel_table.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -23,22 +23,8 @@ namespace ffi = xla::ffi;
 namespace jax_fa4 {
 namespace {
 
-constexpr int kTmaAlignBytes = 16;
-constexpr int kMaxGridYZ = 65535;
-constexpr int kHopperMajor = 9;
-
-std::string Dims(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "(";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + ")";
-}
-
 std::string Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi::AnyBuffer& v) {
-  return "q" + Dims(q.dimensions()) + " k" + Dims(k.dimensions()) + " v" + Dims(v.dimensions());
-}
-
-ffi::Error CudaError(const std::string& what, cudaError_t e) {
-  return ffi::Error::Internal(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+  return Shapes({{"q", q}, {"k", k}, {"v", v}});
 }
 
 struct FwdProblem {
@@ -68,18 +54,13 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        "disagree: " + shapes);
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("jax_fa4_fwd: q, k, v dtypes differ: " + shapes);
-  Dtype dtype;
-  if (q.element_type() == ffi::DataType::BF16) {
-    dtype = Dtype::kBF16;
-  } else if (q.element_type() == ffi::DataType::F16) {
-    dtype = Dtype::kF16;
-  } else {
+  const std::optional<Dtype> dtype = KernelDtype(q.element_type());
+  if (!dtype)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: dtype must be bf16 or fp16: " + shapes);
-  }
-  p.kernel = FindFwdKernel(dtype, static_cast<int>(p.head_dim), causal);
+  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), causal);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
-                                       DtypeName(dtype) + ", head_dim " +
+                                       DtypeName(*dtype) + ", head_dim " +
                                        std::to_string(p.head_dim) +
                                        (causal ? ", causal" : ", non-causal") + ": " + shapes);
   return p;
@@ -89,19 +70,7 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                          ffi::RemainingRets /*out, lse*/, bool causal, float /*softmax_scale*/) {
   auto problem = Select(q, k, v, causal);
   if (problem.has_error()) return problem.error();
-  const FwdKernel& kernel = *problem->kernel;
-  int major = 0, minor = 0;
-  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  if (e != cudaSuccess) return CudaError("jax_fa4_fwd: querying device " + std::to_string(device), e);
-  if (major != kHopperMajor)
-    return ffi::Error(ffi::ErrorCode::kUnimplemented,
-                      std::string("jax_fa4_fwd: kernel ") + kernel.name + " is built for " +
-                          kernel.arch + " (Hopper); device " + std::to_string(device) + " is sm_" +
-                          std::to_string(major) + std::to_string(minor));
-  e = EnsureLoaded(kernel);
-  if (e != cudaSuccess) return CudaError(std::string("jax_fa4_fwd: loading ") + kernel.name, e);
-  return ffi::Error::Success();
+  return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
 
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -120,29 +89,19 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
   if (p.seqlen_k == 0)
     return ffi::Error::InvalidArgument(where + ": seqlen_k must be >= 1 (handled in Python)");
-  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
   // Grid (query tiles, heads, batch); the export ABI holds sizes as int32.
   if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || p.seqlen_q > kInt32Max ||
       p.seqlen_k > kInt32Max)
     return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
                                        "sequence lengths < 2^31");
-  const void* buffers[] = {q.untyped_data(), k.untyped_data(), v.untyped_data(),
-                           out->untyped_data(), lse->typed_data()};
-  for (const void* ptr : buffers)
-    if (reinterpret_cast<uintptr_t>(ptr) % kTmaAlignBytes != 0)
-      return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
+  if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
+                   lse->typed_data()}))
+    return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
   if (!IsLoaded(*p.kernel))
     return ffi::Error::Internal(where + ": module not loaded (initialize stage did not run)");
 
-  // The exported wrapper launches through this library's static cudart: make XLA's
-  // device current. cudaGetDevice/cudaSetDevice are capture-safe, unlike
-  // cudaStreamGetDevice.
-  int current = -1;
-  cudaError_t e = cudaGetDevice(&current);
-  if (e == cudaSuccess && current != device) e = cudaSetDevice(device);
-  if (e != cudaSuccess) return CudaError(where + ": selecting device " + std::to_string(device), e);
+  if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
 
-  constexpr float kLog2e = 1.4426950408889634f;
   FwdArgs args{const_cast<void*>(q.untyped_data()),
                const_cast<void*>(k.untyped_data()),
                const_cast<void*>(v.untyped_data()),
@@ -153,11 +112,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(p.seqlen_k),
                static_cast<int32_t>(p.heads),
                softmax_scale * kLog2e};
-  int32_t ret = p.kernel->launch(args, stream);
-  if (ret != 0) return CudaError(where + ": launch", static_cast<cudaError_t>(ret));
-  e = cudaGetLastError();
-  if (e != cudaSuccess) return CudaError(where + ": launch", e);
-  return ffi::Error::Success();
+  return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
-// The table of exported kernels the FFI handlers dispatch on.
+// The tables of exported kernels the FFI handlers dispatch on.
 //
-// kernels/export.py generates one row per kernel (kernel_table.inc) with a module
-// loader and a launch adapter that fills that kernel's export structs from FwdArgs.
+// kernels/export.py generates one row per kernel (kernel_table.inc), in kFwdKernels or
+// kBwdKernels, with a module loader and a launch adapter that fills that kernel's export
+// structs from FwdArgs or BwdArgs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -28,7 +29,41 @@ struct FwdArgs {
   float scale_log2;  // softmax_scale * log2(e)
 };
 
-struct FwdKernel {
+// One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
+// q, o, dout, dq (batch, seqlen_q, heads, head_dim); k, v, dk, dv (batch, seqlen_k,
+// heads, head_dim); lse, dlse (batch, heads, seqlen_q) fp32. The workspaces (batch,
+// heads, extent) are XLA-allocated and initialized by the kernel; BwdExtents gives
+// their extents.
+struct BwdArgs {
+  void* q;
+  void* k;
+  void* v;
+  void* o;
+  void* dout;
+  void* lse;
+  void* dlse;  // cotangent of lse; zeros when lse is not an output
+  void* dq;
+  void* dk;
+  void* dv;
+  void* lse2;      // fp32 (.., sq_pad): lse in base 2, padded
+  void* dsum;      // fp32 (.., sq_pad): rowsum(dout * o) - dlse
+  void* dq_accum;  // fp32 (.., dq_accum_len): dq before scaling and rounding
+  void* sem;       // int32 (.., sem_len): deterministic mode's per-tile turn counters
+  int32_t batch;
+  int32_t seqlen_q;
+  int32_t seqlen_k;
+  int32_t heads;
+  int32_t sq_pad;        // seqlen_q rounded up to the kernel's tile_m
+  int32_t dq_accum_len;  // sq_pad * head_dim
+  int32_t sem_len;       // sq_pad / tile_m * consumer warpgroups
+  float scale_log2;      // softmax_scale * log2(e)
+  float scale;           // softmax_scale
+  int32_t deterministic;  // 1: dq accumulated in a fixed order (bitwise reproducible)
+};
+
+// One exported kernel: its configuration (kernels/config.py) and entry points.
+template <typename Args>
+struct Kernel {
   const char* name;
   const char* arch;
   Dtype dtype;
@@ -37,22 +72,41 @@ struct FwdKernel {
   int tile_m;
   int tile_n;
   cudaError_t (*load)();  // loads the module onto every visible device
-  int32_t (*launch)(const FwdArgs&, cudaStream_t);
+  int32_t (*launch)(const Args&, cudaStream_t);
 };
+using FwdKernel = Kernel<FwdArgs>;
+using BwdKernel = Kernel<BwdArgs>;
 
 extern const FwdKernel kFwdKernels[];
 extern const int kNumFwdKernels;
+extern const BwdKernel kBwdKernels[];
+extern const int kNumBwdKernels;
 
 const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
 const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal);
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal);
+
+// Keys per consumer warpgroup of the backward (kernels/config.py BwdTile.consumers).
+constexpr int kBwdKeysPerConsumer = 64;
+
+// Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),
+// dq_accum and sem, each (batch, heads, extent).
+struct BwdExtents {
+  int64_t sq_pad;
+  int64_t dq_accum;
+  int64_t sem;
+};
+BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q);
 
 // Loads the kernel's module once per process; later calls return the first result.
 // Not safe inside CUDA-graph capture: call it from an FFI initialize stage.
 cudaError_t EnsureLoaded(const FwdKernel& kernel);
+cudaError_t EnsureLoaded(const BwdKernel& kernel);
 
 // True once EnsureLoaded succeeded for this kernel (cheap, capture-safe).
 bool IsLoaded(const FwdKernel& kernel);
+bool IsLoaded(const BwdKernel& kernel);
 
 }  // namespace jax_fa4

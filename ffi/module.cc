@@ -9,13 +9,38 @@
 
 extern "C" XLA_FFI_Error* JaxFa4FwdInitialize(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* JaxFa4FwdExecute(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* JaxFa4BwdInitialize(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* JaxFa4BwdExecute(XLA_FFI_CallFrame*);
 
 namespace nb = nanobind;
 
 namespace {
 
-nb::capsule Handler(XLA_FFI_Error* (*fn)(XLA_FFI_CallFrame*)) {
-  return nb::capsule(reinterpret_cast<void*>(fn));
+using Handler = XLA_FFI_Error* (*)(XLA_FFI_CallFrame*);
+
+nb::dict Stages(Handler initialize, Handler execute) {
+  nb::dict stages;
+  stages["initialize"] = nb::capsule(reinterpret_cast<void*>(initialize));
+  stages["execute"] = nb::capsule(reinterpret_cast<void*>(execute));
+  return stages;
+}
+
+template <typename Args>
+void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
+                   const char* kind) {
+  for (int i = 0; i < n; ++i) {
+    const jax_fa4::Kernel<Args>& k = table[i];
+    nb::dict e;
+    e["name"] = k.name;
+    e["kind"] = kind;
+    e["arch"] = k.arch;
+    e["dtype"] = jax_fa4::DtypeName(k.dtype);
+    e["head_dim"] = k.head_dim;
+    e["causal"] = k.causal;
+    e["tile_m"] = k.tile_m;
+    e["tile_n"] = k.tile_n;
+    kernels.append(e);
+  }
 }
 
 }  // namespace
@@ -24,29 +49,16 @@ NB_MODULE(_ffi, m) {
   m.doc() = "jax_fa4 native module: XLA FFI handlers and the kernel manifest.";
 
   m.def("registrations", [] {
-    nb::dict fwd;
-    fwd["initialize"] = Handler(JaxFa4FwdInitialize);
-    fwd["execute"] = Handler(JaxFa4FwdExecute);
     nb::dict targets;
-    targets["jax_fa4_fwd"] = fwd;
+    targets["jax_fa4_fwd"] = Stages(JaxFa4FwdInitialize, JaxFa4FwdExecute);
+    targets["jax_fa4_bwd"] = Stages(JaxFa4BwdInitialize, JaxFa4BwdExecute);
     return targets;
   }, "FFI target name -> {stage: handler capsule}, for jax.ffi.register_ffi_target.");
 
   m.def("manifest", [] {
     nb::list kernels;
-    for (int i = 0; i < jax_fa4::kNumFwdKernels; ++i) {
-      const jax_fa4::FwdKernel& k = jax_fa4::kFwdKernels[i];
-      nb::dict e;
-      e["name"] = k.name;
-      e["kind"] = "fwd";
-      e["arch"] = k.arch;
-      e["dtype"] = jax_fa4::DtypeName(k.dtype);
-      e["head_dim"] = k.head_dim;
-      e["causal"] = k.causal;
-      e["tile_m"] = k.tile_m;
-      e["tile_n"] = k.tile_n;
-      kernels.append(e);
-    }
+    AppendEntries(kernels, jax_fa4::kFwdKernels, jax_fa4::kNumFwdKernels, "fwd");
+    AppendEntries(kernels, jax_fa4::kBwdKernels, jax_fa4::kNumBwdKernels, "bwd");
     return kernels;
   }, "One dict per compiled kernel (name, kind, arch, dtype, head_dim, causal, tiles).");
 }

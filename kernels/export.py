@@ -1,9 +1,9 @@
 """Ahead-of-time export of every kernel in kernels/config.py:MANIFEST.
 
-For each configuration: compile the CuTe-DSL kernel for its arch with fully dynamic
-batch, sequence lengths and head count, `export_to_c` it to `<name>.h` + `<name>.o`,
-then write `kernel_table.inc`, the C++ table the FFI handlers dispatch on. Needs
-nvidia-cutlass-dsl, not a GPU.
+For each configuration (forward or backward): compile the CuTe-DSL kernel for its arch
+with fully dynamic batch, sequence lengths and head count, `export_to_c` it to
+`<name>.h` + `<name>.o`, then write `kernel_table.inc`, the C++ tables the FFI handlers
+dispatch on. Needs nvidia-cutlass-dsl, not a GPU.
 
 Compiles run in parallel worker processes (the DSL keeps global state, one kernel per
 process). Objects are cached under a key of the kernel sources, the configuration, the
@@ -29,17 +29,66 @@ import shutil
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.config import MANIFEST, FwdConfig  # noqa: E402
+from kernels.config import MANIFEST, BwdConfig, FwdConfig  # noqa: E402
 
+Config = FwdConfig | BwdConfig
 TOOLCHAIN = "nvidia-cutlass-dsl"
-# Export ABI per tensor: which dynamic shape and stride slots the generated structs
-# have, in mode order. (B, S, H, D) row-major with static D -> shapes (B, S, H),
-# strides (S*H*D, H*D); LSE (B, H, Sq) -> shapes (B, H, Sq), strides (H*Sq, Sq).
-EXPECTED_TENSORS = ("mQ", "mK", "mV", "mO", "mLSE")
+
+
+class Param(NamedTuple):
+    """One tensor parameter of an exported kernel, in the order of its wrapper.
+
+    layout "bshd": (B, S, H, D) row-major with static D -> export struct shapes
+    (B, S, H), strides (S*H*D, H*D); "bhn": (B, H, N) row-major -> shapes (B, H, N),
+    strides (H*N, N). `extent` is the FwdArgs / BwdArgs field holding S or N, `field`
+    the one holding the pointer; dtype "io" is the configuration's dtype.
+    """
+
+    tensor: str
+    field: str
+    layout: str
+    extent: str
+    dtype: str = "io"
+
+
+# The export ABI of each kind (see ffi/kernel_table.h): tensors, then scalars, then the
+# stream. Compile, header check and the generated launch adapters all follow it.
+TENSORS = {
+    "fwd": (
+        Param("mQ", "q", "bshd", "seqlen_q"),
+        Param("mK", "k", "bshd", "seqlen_k"),
+        Param("mV", "v", "bshd", "seqlen_k"),
+        Param("mO", "o", "bshd", "seqlen_q"),
+        Param("mLSE", "lse", "bhn", "seqlen_q", "f32"),
+    ),
+    "bwd": (
+        Param("mQ", "q", "bshd", "seqlen_q"),
+        Param("mK", "k", "bshd", "seqlen_k"),
+        Param("mV", "v", "bshd", "seqlen_k"),
+        Param("mO", "o", "bshd", "seqlen_q"),
+        Param("mdO", "dout", "bshd", "seqlen_q"),
+        Param("mLSE", "lse", "bhn", "seqlen_q", "f32"),
+        Param("mdLSE", "dlse", "bhn", "seqlen_q", "f32"),
+        Param("mdQ", "dq", "bshd", "seqlen_q"),
+        Param("mdK", "dk", "bshd", "seqlen_k"),
+        Param("mdV", "dv", "bshd", "seqlen_k"),
+        Param("mLSE2", "lse2", "bhn", "sq_pad", "f32"),
+        Param("mDsum", "dsum", "bhn", "sq_pad", "f32"),
+        Param("mdQaccum", "dq_accum", "bhn", "dq_accum_len", "f32"),
+        Param("mSem", "sem", "bhn", "sem_len", "i32"),
+    ),
+}
+# (C type, FwdArgs / BwdArgs field) of each scalar parameter.
+SCALARS = {
+    "fwd": (("float", "scale_log2"),),
+    "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic")),
+}
+STRUCT = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
 
 
 def source_digest() -> str:
@@ -53,12 +102,12 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def cache_key(cfg: FwdConfig, sources: str, toolchain: str) -> str:
+def cache_key(cfg: Config, sources: str, toolchain: str) -> str:
     text = "\n".join([sources, repr(cfg), cfg.arch, toolchain, sys.version.split()[0]])
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def compile_one(cfg: FwdConfig, out_dir: str, keep: str | None = None) -> float:
+def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     """Worker: compile and export one kernel into out_dir; returns seconds. With `keep`,
     the compiler's PTX and cubin are written there too."""
     os.environ["CUTE_DSL_ARCH"] = cfg.arch
@@ -71,7 +120,7 @@ def compile_one(cfg: FwdConfig, out_dir: str, keep: str | None = None) -> float:
 
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
-    from cutlass import Float32
+    from cutlass import Float32, Int32
     from cutlass.cute.runtime import make_fake_compact_tensor
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
@@ -83,45 +132,51 @@ def compile_one(cfg: FwdConfig, out_dir: str, keep: str | None = None) -> float:
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
 
     t0 = time.time()
-    batch, seqlen_q, seqlen_k, heads = (cute.SymInt() for _ in range(4))
-    dtype, d = DTYPES[cfg.dtype], cfg.head_dim
+    if cfg.kind == "fwd":
+        kernel, scalars = FwdSm90(cfg), (Float32(1.0),)
+    else:
+        from kernels.sm90.bwd import BwdSm90
 
-    def bshd(seqlen):
-        return make_fake_compact_tensor(
-            dtype, (batch, seqlen, heads, d), stride_order=(3, 2, 1, 0), assumed_align=16
-        )
+        kernel, scalars = BwdSm90(cfg), (Float32(1.0), Float32(1.0), Int32(0))
+    params = TENSORS[cfg.kind]
+    # One runtime size per name: batch, heads and each extent of `params`.
+    sizes = {name: cute.SymInt() for name in ("batch", "heads", *(p.extent for p in params))}
+    dtypes = {"io": DTYPES[cfg.dtype], "f32": Float32, "i32": Int32}
 
-    lse = make_fake_compact_tensor(
-        Float32, (batch, heads, seqlen_q), stride_order=(2, 1, 0), assumed_align=16
-    )
-    compiled = cute.compile(
-        FwdSm90(cfg),
-        bshd(seqlen_q), bshd(seqlen_k), bshd(seqlen_k), bshd(seqlen_q), lse,
-        Float32(1.0), cuda.CUstream(0),
-        options=options,
-    )
+    def fake(p: Param):
+        b, h, n = sizes["batch"], sizes["heads"], sizes[p.extent]
+        if p.layout == "bshd":
+            shape, order = (b, n, h, cfg.head_dim), (3, 2, 1, 0)
+        else:
+            shape, order = (b, h, n), (2, 1, 0)
+        return make_fake_compact_tensor(dtypes[p.dtype], shape, stride_order=order,
+                                        assumed_align=16)
+
+    compiled = cute.compile(kernel, *map(fake, params), *scalars, cuda.CUstream(0),
+                            options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)
-    check_header(pathlib.Path(out_dir) / f"{cfg.name}.h", cfg.name)
+    check_header(pathlib.Path(out_dir) / f"{cfg.name}.h", cfg)
     return time.time() - t0
 
 
-def check_header(path: pathlib.Path, name: str) -> None:
+def check_header(path: pathlib.Path, cfg: Config) -> None:
     """The table below assumes this ABI; fail the build if the export changed it."""
-    text = path.read_text()
-    for tensor in EXPECTED_TENSORS:
+    text, name = path.read_text(), cfg.name
+    params = TENSORS[cfg.kind]
+    for p in params:
         struct = re.search(
-            r"typedef struct \{([^}]*)\} " + re.escape(f"{name}_Tensor_{tensor}_t;"), text
+            r"typedef struct \{([^}]*)\} " + re.escape(f"{name}_Tensor_{p.tensor}_t;"), text
         )
         if not struct:
-            raise RuntimeError(f"{path}: no tensor struct for {tensor}")
+            raise RuntimeError(f"{path}: no tensor struct for {p.tensor}")
         body = " ".join(struct.group(1).split())
-        want = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
-        if body != want:
-            raise RuntimeError(f"{path}: {tensor} struct is '{body}', expected '{want}'")
+        if body != STRUCT:
+            raise RuntimeError(f"{path}: {p.tensor} struct is '{body}', expected '{STRUCT}'")
     signature = (
         rf"cute_dsl_{name}_wrapper\({name}_Kernel_Module_t \*module, "
-        + ", ".join(rf"{name}_Tensor_{t}_t \*{t}" for t in EXPECTED_TENSORS)
-        + r", float scale_log2, cudaStream_t stream\)"
+        + ", ".join(rf"{name}_Tensor_{p.tensor}_t \*{p.tensor}" for p in params)
+        + "".join(rf", {ctype} {field}" for ctype, field in SCALARS[cfg.kind])
+        + r", cudaStream_t stream\)"
     )
     if not re.search(signature, text):
         raise RuntimeError(f"{path}: wrapper signature changed")
@@ -134,42 +189,52 @@ cudaError_t Load() {{
   {name}_Kernel_Module_Load(&module);
   return TakeLoadError();
 }}
-int32_t Launch(const FwdArgs& a, cudaStream_t stream) {{
-  const int64_t d = {head_dim};
-  const int64_t q_row = int64_t{{a.heads}} * d, q_batch = int64_t{{a.seqlen_q}} * q_row;
-  const int64_t k_batch = int64_t{{a.seqlen_k}} * q_row;
-  {name}_Tensor_mQ_t q{{a.q, {{a.batch, a.seqlen_q, a.heads}}, {{q_batch, q_row}}}};
-  {name}_Tensor_mK_t k{{a.k, {{a.batch, a.seqlen_k, a.heads}}, {{k_batch, q_row}}}};
-  {name}_Tensor_mV_t v{{a.v, {{a.batch, a.seqlen_k, a.heads}}, {{k_batch, q_row}}}};
-  {name}_Tensor_mO_t o{{a.o, {{a.batch, a.seqlen_q, a.heads}}, {{q_batch, q_row}}}};
-  {name}_Tensor_mLSE_t lse{{a.lse, {{a.batch, a.heads, a.seqlen_q}},
-                           {{int64_t{{a.heads}} * a.seqlen_q, a.seqlen_q}}}};
-  return cute_dsl_{name}_wrapper(&module, &q, &k, &v, &o, &lse, a.scale_log2, stream);
+int32_t Launch(const {args}& a, cudaStream_t stream) {{
+{tensors}
+  return cute_dsl_{name}_wrapper(&module, {call});
 }}
 }}  // namespace {name}
 """
 
 
-def write_table(out: pathlib.Path, configs: tuple[FwdConfig, ...]) -> None:
-    """Generated C++: includes every exported header and defines kFwdKernels, one row
-    per kernel (see ffi/kernel_table.h for the types)."""
+def _entry(cfg: Config) -> str:
+    """One kernel's module, loader and launch adapter (Args -> its export structs)."""
+    lines = []
+    for p in TENSORS[cfg.kind]:
+        struct = f"{cfg.name}_Tensor_{p.tensor}_t"
+        if p.layout == "bshd":
+            make = f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, a.heads, {cfg.head_dim})"
+        else:
+            make = f"Bhn<{struct}>(a.{p.field}, a.batch, a.heads, a.{p.extent})"
+        lines.append(f"  auto {p.field} = {make};")
+    call = [f"&{p.field}" for p in TENSORS[cfg.kind]]
+    call += [f"a.{field}" for _, field in SCALARS[cfg.kind]] + ["stream"]
+    return _ENTRY.format(name=cfg.name, args=f"{cfg.kind.capitalize()}Args",
+                         tensors="\n".join(lines), call=", ".join(call))
+
+
+def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
+    """Generated C++: includes every exported header and defines kFwdKernels and
+    kBwdKernels, one row per kernel (see ffi/kernel_table.h for the types)."""
     lines = [
         "// Generated by kernels/export.py. Do not edit.",
         "// Included once, by ffi/kernel_table.cc, after ffi/kernel_table.h.",
     ]
     lines += [f'#include "{cfg.name}.h"' for cfg in configs]
     lines.append("namespace jax_fa4 {")
-    lines += [_ENTRY.format(name=cfg.name, head_dim=cfg.head_dim) for cfg in configs]
-    lines.append("const FwdKernel kFwdKernels[] = {")
-    for cfg in configs:
-        dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-        causal = "true" if cfg.causal else "false"
-        lines.append(
-            f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, '
-            f"{cfg.tile.m}, {cfg.tile.n}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
-        )
-    lines.append("};")
-    lines.append("const int kNumFwdKernels = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);")
+    lines += [_entry(cfg) for cfg in configs]
+    for kind in ("fwd", "bwd"):
+        table = f"k{kind.capitalize()}Kernels"
+        lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
+        for cfg in (c for c in configs if c.kind == kind):
+            dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
+            causal = "true" if cfg.causal else "false"
+            lines.append(
+                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, '
+                f"{cfg.tile.m}, {cfg.tile.n}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
+            )
+        lines.append("};")
+        lines.append(f"const int kNum{kind.capitalize()}Kernels = sizeof({table}) / sizeof({table}[0]);")
     lines.append("}  // namespace jax_fa4")
     text = "\n".join(lines) + "\n"
     path = out / "kernel_table.inc"

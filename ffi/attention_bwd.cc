@@ -1,0 +1,242 @@
+// XLA FFI handler `jax_fa4_bwd`: attention backward through an exported CuTe-DSL kernel
+// (one entry point that launches preprocess, main and postprocess in order).
+//
+// Operands: q, out, dout (..., Sq, H, D) and k, v (..., Sk, H, D), bf16 or fp16 (one
+// dtype), row-major; lse (..., H, Sq) fp32 from the forward and dlse, its cotangent
+// (zeros when lse is not an output). Every leading dimension is folded into the batch.
+// Results: dq, dk, dv like q, k, v, then the kernel's workspaces, which XLA allocates
+// and the kernel initializes (never allocated or cleared here):
+//   lse2, dsum (..., H, Sq_pad) fp32; dq_accum (..., H, Sq_pad * D) fp32;
+//   sem (..., H, Sq_pad / tile_m * consumers) int32; Sq_pad = Sq rounded up to tile_m.
+// Attributes: causal (bool), softmax_scale (f32), deterministic (bool: dq accumulated
+// in a fixed order, bitwise reproducible; otherwise with atomic adds).
+//
+// Stages, as for jax_fa4_fwd: INITIALIZE checks the device and loads the selected
+// kernel's module (once per process, outside any CUDA-graph capture); EXECUTE only
+// validates and launches on XLA's stream, so the handler is command-buffer compatible.
+
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <string>
+
+#include "handler_common.h"
+#include "kernel_table.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace jax_fa4 {
+namespace {
+
+struct BwdOperands {
+  const ffi::AnyBuffer &q, &k, &v, &out, &dout, &lse, &dlse;
+
+  std::string Describe() const {
+    return Shapes({{"q", q}, {"k", k}, {"v", v}, {"out", out}, {"dout", dout}, {"lse", lse},
+                   {"dlse", dlse}});
+  }
+};
+
+struct BwdProblem {
+  const BwdKernel* kernel;
+  int64_t batch, seqlen_q, seqlen_k, heads, head_dim;
+  size_t lead;  // leading (batch) dimensions, folded into `batch`
+  BwdExtents workspace;
+};
+
+// Whether x has the dimensions lead ++ tail, where lead is the first `lead` of `ref`.
+bool HasDims(const ffi::AnyBuffer& x, ffi::AnyBuffer::Dimensions ref, size_t lead,
+             std::initializer_list<int64_t> tail) {
+  auto dims = x.dimensions();
+  if (dims.size() != lead + tail.size()) return false;
+  for (size_t i = 0; i < lead; ++i)
+    if (dims[i] != ref[i]) return false;
+  size_t i = lead;
+  for (int64_t extent : tail)
+    if (dims[i++] != extent) return false;
+  return true;
+}
+
+// Validates the operands and picks the kernel; shared by both stages.
+ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal) {
+  auto qd = x.q.dimensions(), kd = x.k.dimensions();
+  const std::string shapes = x.Describe();
+  if (qd.size() < 3 || kd.size() != qd.size())
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: q, k, v, out, dout must have the same "
+                                       "rank >= 3 (..., S, H, D); got " + shapes);
+  const size_t r = qd.size(), lead = r - 3;
+  BwdProblem p{nullptr, 1, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], lead, {}};
+  for (size_t i = 0; i < lead; ++i) p.batch *= qd[i];
+  const std::initializer_list<int64_t> q_tail = {p.seqlen_q, p.heads, p.head_dim};
+  const std::initializer_list<int64_t> kv_tail = {p.seqlen_k, p.heads, p.head_dim};
+  const std::initializer_list<int64_t> lse_tail = {p.heads, p.seqlen_q};
+  if (!HasDims(x.k, qd, lead, kv_tail) || !HasDims(x.v, qd, lead, kv_tail) ||
+      !HasDims(x.out, qd, lead, q_tail) || !HasDims(x.dout, qd, lead, q_tail) ||
+      !HasDims(x.lse, qd, lead, lse_tail) || !HasDims(x.dlse, qd, lead, lse_tail))
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: operand shapes disagree; expected q, out, "
+                                       "dout (..., Sq, H, D), k, v (..., Sk, H, D), lse, dlse "
+                                       "(..., H, Sq): " + shapes);
+  const ffi::DataType type = x.q.element_type();
+  for (const ffi::AnyBuffer* b : {&x.k, &x.v, &x.out, &x.dout})
+    if (b->element_type() != type)
+      return ffi::Error::InvalidArgument("jax_fa4_bwd: q, k, v, out, dout dtypes differ: " +
+                                         shapes);
+  if (x.lse.element_type() != ffi::DataType::F32 || x.dlse.element_type() != ffi::DataType::F32)
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: lse and dlse must be f32: " + shapes);
+  const std::optional<Dtype> dtype = KernelDtype(type);
+  if (!dtype)
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: dtype must be bf16 or fp16: " + shapes);
+  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), causal);
+  if (p.kernel == nullptr)
+    return ffi::Error::InvalidArgument(std::string("jax_fa4_bwd: no kernel built for dtype ") +
+                                       DtypeName(*dtype) + ", head_dim " +
+                                       std::to_string(p.head_dim) +
+                                       (causal ? ", causal" : ", non-causal") + ": " + shapes);
+  p.workspace = WorkspaceExtents(*p.kernel, p.seqlen_q);
+  return p;
+}
+
+// "" when result `name` has `type` (called `type_name`) and the dimensions lead ++ tail,
+// else what it should be.
+std::string ResultMismatch(const char* name, const ffi::AnyBuffer& result, ffi::DataType type,
+                           const char* type_name, ffi::AnyBuffer::Dimensions ref,
+                           const BwdProblem& p, std::initializer_list<int64_t> tail) {
+  if (result.element_type() == type && HasDims(result, ref, p.lead, tail)) return "";
+  std::string want = "(";
+  for (size_t i = 0; i < p.lead; ++i) want += std::to_string(ref[i]) + ", ";
+  size_t i = 0;
+  for (int64_t extent : tail) want += (i++ ? ", " : "") + std::to_string(extent);
+  return std::string("result ") + name + Dims(result.dimensions()) + " must have shape " +
+         want + ") and dtype " + type_name;
+}
+
+ffi::Error BwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                         ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
+                         ffi::AnyBuffer dlse, ffi::RemainingRets /*dq, ..., sem*/, bool causal,
+                         float /*softmax_scale*/, bool /*deterministic*/) {
+  auto problem = Select({q, k, v, out, dout, lse, dlse}, causal);
+  if (problem.has_error()) return problem.error();
+  return CheckDeviceAndLoad("jax_fa4_bwd", *problem->kernel, device);
+}
+
+ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                      ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
+                      ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                      ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                      ffi::Result<ffi::AnyBuffer> lse2, ffi::Result<ffi::AnyBuffer> dsum,
+                      ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> sem,
+                      bool causal, float softmax_scale, bool deterministic) {
+  const BwdOperands operands{q, k, v, out, dout, lse, dlse};
+  auto problem = Select(operands, causal);
+  if (problem.has_error()) return problem.error();
+  const BwdProblem& p = *problem;
+  const std::string where = std::string("jax_fa4_bwd[") + p.kernel->name + "] " +
+                            operands.Describe();
+
+  const auto qd = q.dimensions();
+  const ffi::DataType type = q.element_type();
+  const BwdExtents& w = p.workspace;
+  const ffi::DataType f32 = ffi::DataType::F32, s32 = ffi::DataType::S32;
+  const std::string mismatches[] = {
+      ResultMismatch("dq", *dq, type, "of q", qd, p, {p.seqlen_q, p.heads, p.head_dim}),
+      ResultMismatch("dk", *dk, type, "of q", qd, p, {p.seqlen_k, p.heads, p.head_dim}),
+      ResultMismatch("dv", *dv, type, "of q", qd, p, {p.seqlen_k, p.heads, p.head_dim}),
+      ResultMismatch("lse2", *lse2, f32, "f32", qd, p, {p.heads, w.sq_pad}),
+      ResultMismatch("dsum", *dsum, f32, "f32", qd, p, {p.heads, w.sq_pad}),
+      ResultMismatch("dq_accum", *dq_accum, f32, "f32", qd, p, {p.heads, w.dq_accum}),
+      ResultMismatch("sem", *sem, s32, "s32", qd, p, {p.heads, w.sem}),
+  };
+  for (const std::string& mismatch : mismatches)
+    if (!mismatch.empty()) return ffi::Error::InvalidArgument(where + ": " + mismatch);
+  if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
+    return ffi::Error::InvalidArgument(where + ": softmax_scale must be finite and > 0");
+  if (p.batch == 0 || p.heads == 0) return ffi::Error::Success();  // every buffer is empty
+  if (p.seqlen_q == 0 || p.seqlen_k == 0)
+    return ffi::Error::InvalidArgument(where + ": seqlen_q and seqlen_k must be >= 1 "
+                                       "(handled in Python)");
+  // Grids (tiles, heads, batch); the export ABI holds sizes as int32, dq_accum's
+  // extent (Sq_pad * D) included.
+  if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || p.seqlen_k > kInt32Max ||
+      w.dq_accum > kInt32Max)
+    return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535, seqlen_k "
+                                       "< 2^31 and padded seqlen_q * head_dim < 2^31");
+  if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
+                   dout.untyped_data(), lse.untyped_data(), dlse.untyped_data(),
+                   dq->untyped_data(), dk->untyped_data(), dv->untyped_data(),
+                   lse2->untyped_data(), dsum->untyped_data(), dq_accum->untyped_data(),
+                   sem->untyped_data()}))
+    return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
+  if (!IsLoaded(*p.kernel))
+    return ffi::Error::Internal(where + ": module not loaded (initialize stage did not run)");
+  if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
+
+  BwdArgs args{const_cast<void*>(q.untyped_data()),
+               const_cast<void*>(k.untyped_data()),
+               const_cast<void*>(v.untyped_data()),
+               const_cast<void*>(out.untyped_data()),
+               const_cast<void*>(dout.untyped_data()),
+               const_cast<void*>(lse.untyped_data()),
+               const_cast<void*>(dlse.untyped_data()),
+               dq->untyped_data(),
+               dk->untyped_data(),
+               dv->untyped_data(),
+               lse2->untyped_data(),
+               dsum->untyped_data(),
+               dq_accum->untyped_data(),
+               sem->untyped_data(),
+               static_cast<int32_t>(p.batch),
+               static_cast<int32_t>(p.seqlen_q),
+               static_cast<int32_t>(p.seqlen_k),
+               static_cast<int32_t>(p.heads),
+               static_cast<int32_t>(w.sq_pad),
+               static_cast<int32_t>(w.dq_accum),
+               static_cast<int32_t>(w.sem),
+               softmax_scale * kLog2e,
+               softmax_scale,
+               deterministic ? 1 : 0};
+  return LaunchResult(where, p.kernel->launch(args, stream));
+}
+
+}  // namespace
+}  // namespace jax_fa4
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdInitialize, jax_fa4::BwdInitialize,
+                              ffi::Ffi::BindInitialize()
+                                  .Ctx<ffi::DeviceOrdinal>()  // device XLA runs on
+                                  .Arg<ffi::AnyBuffer>()      // q
+                                  .Arg<ffi::AnyBuffer>()      // k
+                                  .Arg<ffi::AnyBuffer>()      // v
+                                  .Arg<ffi::AnyBuffer>()      // out
+                                  .Arg<ffi::AnyBuffer>()      // dout
+                                  .Arg<ffi::AnyBuffer>()      // lse
+                                  .Arg<ffi::AnyBuffer>()      // dlse
+                                  .RemainingRets()            // dq, ..., sem: not touched
+                                  .Attr<bool>("causal")       // selects the kernel
+                                  .Attr<float>("softmax_scale")  // unused here
+                                  .Attr<bool>("deterministic"));  // unused here
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()  // XLA's stream
+                                  .Ctx<ffi::DeviceOrdinal>()  // device XLA runs on
+                                  .Arg<ffi::AnyBuffer>()      // q (..., Sq, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // k (..., Sk, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // v (..., Sk, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // out (..., Sq, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // dout (..., Sq, H, D)
+                                  .Arg<ffi::AnyBuffer>()      // lse (..., H, Sq) f32
+                                  .Arg<ffi::AnyBuffer>()      // dlse (..., H, Sq) f32
+                                  .Ret<ffi::AnyBuffer>()      // dq (..., Sq, H, D)
+                                  .Ret<ffi::AnyBuffer>()      // dk (..., Sk, H, D)
+                                  .Ret<ffi::AnyBuffer>()      // dv (..., Sk, H, D)
+                                  .Ret<ffi::AnyBuffer>()      // lse2 (..., H, Sq_pad) f32
+                                  .Ret<ffi::AnyBuffer>()      // dsum (..., H, Sq_pad) f32
+                                  .Ret<ffi::AnyBuffer>()      // dq_accum (..., H, Sq_pad*D) f32
+                                  .Ret<ffi::AnyBuffer>()      // sem (..., H, n) s32
+                                  .Attr<bool>("causal")
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<bool>("deterministic"),
+                              {ffi::Traits::kCmdBufferCompatible});

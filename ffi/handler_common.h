@@ -1,0 +1,104 @@
+// What the attention handlers share: shape text for errors, CUDA errors as ffi::Error,
+// the dtype mapping, the device check of the initialize stage and the launch-time
+// checks of the execute stage.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <initializer_list>
+#include <limits>
+#include <optional>
+#include <string>
+
+#include "kernel_table.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace jax_fa4 {
+
+namespace ffi = xla::ffi;
+
+constexpr int kTmaAlignBytes = 16;
+constexpr int kMaxGridYZ = 65535;  // grids are (tiles, heads, batch)
+constexpr int kHopperMajor = 9;
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+constexpr float kLog2e = 1.4426950408889634f;
+
+inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
+  std::string s = "(";
+  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
+  return s + ")";
+}
+
+struct Named {
+  const char* name;
+  const ffi::AnyBuffer& buffer;
+};
+
+// "q(2, 17, 4, 64) k(...) ..." for error messages.
+inline std::string Shapes(std::initializer_list<Named> buffers) {
+  std::string s;
+  for (const Named& b : buffers) {
+    s += (s.empty() ? "" : " ") + std::string(b.name) + Dims(b.buffer.dimensions());
+  }
+  return s;
+}
+
+inline ffi::Error CudaError(const std::string& what, cudaError_t e) {
+  return ffi::Error::Internal(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
+}
+
+// The kernels' dtype for an operand element type; nullopt when no kernel takes it.
+inline std::optional<Dtype> KernelDtype(ffi::DataType type) {
+  if (type == ffi::DataType::BF16) return Dtype::kBF16;
+  if (type == ffi::DataType::F16) return Dtype::kF16;
+  return std::nullopt;
+}
+
+// Initialize stage: `device` must be the Hopper GPU the kernel is built for; then its
+// module is loaded (once per process, outside any CUDA-graph capture).
+template <typename Args>
+ffi::Error CheckDeviceAndLoad(const std::string& handler, const Kernel<Args>& kernel,
+                              int32_t device) {
+  int major = 0, minor = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  if (e == cudaSuccess) e = cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  if (e != cudaSuccess) return CudaError(handler + ": querying device " + std::to_string(device), e);
+  if (major != kHopperMajor)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      handler + ": kernel " + kernel.name + " is built for " + kernel.arch +
+                          " (Hopper); device " + std::to_string(device) + " is sm_" +
+                          std::to_string(major) + std::to_string(minor));
+  e = EnsureLoaded(kernel);
+  if (e != cudaSuccess) return CudaError(handler + ": loading " + kernel.name, e);
+  return ffi::Error::Success();
+}
+
+// TMA needs every global buffer 16-byte aligned.
+inline bool TmaAligned(std::initializer_list<const void*> buffers) {
+  for (const void* ptr : buffers)
+    if (reinterpret_cast<uintptr_t>(ptr) % kTmaAlignBytes != 0) return false;
+  return true;
+}
+
+// The exported wrapper launches through this library's static cudart: make XLA's
+// device current. cudaGetDevice/cudaSetDevice are capture-safe, unlike
+// cudaStreamGetDevice.
+inline ffi::Error MakeCurrent(const std::string& where, int32_t device) {
+  int current = -1;
+  cudaError_t e = cudaGetDevice(&current);
+  if (e == cudaSuccess && current != device) e = cudaSetDevice(device);
+  if (e != cudaSuccess) return CudaError(where + ": selecting device " + std::to_string(device), e);
+  return ffi::Error::Success();
+}
+
+// A launch adapter's status (0 or a cudaError_t) and any launch error the wrapper did not
+// return, which cudaGetLastError reports.
+inline ffi::Error LaunchResult(const std::string& where, int32_t ret) {
+  if (ret != 0) return CudaError(where + ": launch", static_cast<cudaError_t>(ret));
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return CudaError(where + ": launch", e);
+  return ffi::Error::Success();
+}
+
+}  // namespace jax_fa4
