@@ -30,7 +30,7 @@ setup() {
   local status
   set +e
   "$VENV/bin/python" -m pip install -v ".[test]" 2>&1 | tee build/install.log |
-    grep --line-buffered -E '^ *(Installing build dependencies|Building wheel|\[[0-9]+/[0-9]+\] fwd_|exported [0-9]+ kernels|Successfully installed)'
+    grep --line-buffered -E '^ *(Installing build dependencies|Building wheel|\[[0-9]+/[0-9]+\] (fwd|bwd)_|exported [0-9]+ kernels|Successfully installed)'
   status=${PIPESTATUS[0]}
   set -e
   if [ "$status" -ne 0 ]; then

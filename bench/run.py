@@ -2,12 +2,17 @@
 
     python -m bench.run                                   # the standard table
     python -m bench.run --hdims 128 --seqlens 8192 --backends jax_fa4,jax_cudnn
+    python -m bench.run --passes fwd,bwd,bwd_det          # forward and both backwards
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
 GPU (CUPTI kernel time, bench/timing.py). Prints a table (ms, TFLOP/s, jax_fa4 over the best peer) and
 appends one JSON line per measurement, with the fields of the anchors file, to --out.
 The stored upstream FlashAttention-4 (PyTorch) anchor is shown for reference.
+
+Passes: fwd; bwd, the backward (jax_fa4: atomic dq accumulation); bwd_det, the
+deterministic backward of the backends that have one (bench/backends.py DETERMINISTIC),
+whose ratio compares it with the best peer's bwd.
 """
 
 import argparse
@@ -18,13 +23,14 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.backends import BACKENDS
+from bench.backends import BACKENDS, DETERMINISTIC
 from bench.flops import attention_flops
 from bench.timing import make_timer
 
 TOKENS, HIDDEN = 16384, 2048
 ANCHORS = pathlib.Path(__file__).with_name("anchors_h100.jsonl")
 ANCHOR_BACKEND = "fa4_cute"
+PASSES = ("fwd", "bwd", "bwd_det")
 
 
 def load_anchors():
@@ -42,7 +48,8 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
     the forward) minus `fwd_ms`, the convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
     q, k, v, dout = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys)
-    attn = BACKENDS[backend](causal)
+    options = {"deterministic": True} if mode == "bwd_det" else {}
+    attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         ms = timer(attn, q, k, v, iterations=iterations)
     else:
@@ -50,7 +57,7 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
             return jax.vjp(attn, q, k, v)[1](dout)
 
         ms = timer(vjp, q, k, v, dout, iterations=iterations) - fwd_ms
-    flops = attention_flops(b, h, s, s, d, causal, mode)
+    flops = attention_flops(b, h, s, s, d, causal, "fwd" if mode == "fwd" else "bwd")
     return {"ms": ms, "tflops": flops / ms / 1e9}
 
 
@@ -60,7 +67,8 @@ def main():
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true")
     ap.add_argument("--backends", default=",".join(BACKENDS))
-    ap.add_argument("--passes", default="fwd", help="fwd, bwd or fwd,bwd (bwd needs fwd)")
+    ap.add_argument("--passes", default="fwd",
+                    help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.jsonl"))
@@ -70,11 +78,12 @@ def main():
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")
-    passes = args.passes.split(",")
-    if not set(passes) <= {"fwd", "bwd"}:
-        ap.error("--passes takes fwd and/or bwd")
-    if "bwd" in passes and "fwd" not in passes:
-        passes.insert(0, "fwd")  # the backward time subtracts the forward's
+    requested = set(args.passes.split(","))
+    if not requested <= set(PASSES):
+        ap.error(f"--passes takes {', '.join(PASSES)}")
+    # In PASSES order: a backward's time subtracts the forward's, and bwd_det's ratio
+    # uses the peers' bwd.
+    passes = [p for p in PASSES if p in requested | {"fwd"}]
     dtype = getattr(jnp, args.dtype)
     anchors = load_anchors()
     device = jax.devices()[0].device_kind
@@ -90,14 +99,16 @@ def main():
             for causal in (c == "true" for c in args.causal.split(",")):
                 for s in (int(x) for x in args.seqlens.split(",")):
                     b, h = max(1, TOKENS // s), HIDDEN // d
-                    fwd = {}
+                    fwd, rows = {}, {}
                     for mode in passes:
-                        row = {}
+                        row = rows[mode] = {}
                         for be in backends:
+                            if mode == "bwd_det" and be not in DETERMINISTIC:
+                                continue
                             rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d,
                                        causal=causal, mode=mode, timing=method, device=device)
                             try:
-                                if mode == "bwd" and be not in fwd:
+                                if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
                                                    args.iterations, mode, fwd.get(be)))
@@ -107,13 +118,15 @@ def main():
                             except Exception as e:  # a peer that cannot run a cell is reported
                                 rec.update(mode="error", err=repr(e)[:300], failed_mode=mode)
                             out.write(json.dumps(rec) + "\n")
-                        print_row(row, backends, anchors, mode, d, causal, s)
+                        # The peers have one backward: bwd_det compares with it.
+                        peer_row = rows.get("bwd", {}) if mode == "bwd_det" else row
+                        print_row(row, peer_row, backends, anchors, mode, d, causal, s)
 
 
-def print_row(row, backends, anchors, mode, d, causal, s):
+def print_row(row, peer_row, backends, anchors, mode, d, causal, s):
     cells = [f"{row[be]['ms']:.3f} / {row[be]['tflops']:.0f}" if be in row else "-"
              for be in backends]
-    peers = [row[be]["tflops"] for be in row if be != "jax_fa4"]
+    peers = [peer_row[be]["tflops"] for be in peer_row if be != "jax_fa4"]
     ratio = f"{row['jax_fa4']['tflops'] / max(peers):.2f}" if "jax_fa4" in row and peers else "-"
     anchor = anchors.get((d, s, causal, mode))
     cells += [ratio, f"{anchor:.0f}" if anchor else "-"]

@@ -18,7 +18,7 @@ IMPLEMENTATIONS = (None, "cute", "reference")
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               implementation=None, alignment="bottom_right", window=None, softcap=None,
               sinks=None, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-              kv_lengths=None):
+              kv_lengths=None, deterministic=False):
     """Softmax attention, FlashAttention-style.
 
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv), plus
@@ -54,6 +54,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         lse = -inf, even with sinks) and keys j >= kv_lengths[b] are invisible. They also
         set Lq, Lk of bottom-right alignment (a decode step with a padded KV cache:
         Sq = 1, kv_lengths = the cache lengths).
+    deterministic: static bool, for the backward kernel: False (default) accumulates dq
+        with atomic adds, fast, but the summation order and so the last bits of dq can
+        change from run to run; True accumulates in a fixed order, bitwise reproducible
+        and somewhat slower. The forward and the reference are deterministic either way.
     Segment ids, lengths and sinks are runtime arrays (traced); all other arguments are
     static.
 
@@ -65,15 +69,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         softcap or sinks yet: those calls always run the reference); "reference" forces
         the reference.
 
-    Differentiable in reverse mode: the backward is the reference's VJP for now (exact,
-    slow), and the cotangent of a returned lse flows into dq, dk, dv (and dsinks). Forward
-    mode (jvp) works on the reference path only (the kernel paths are a custom_vjp).
+    Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
+    dv (and dsinks). Where the forward runs the kernel, so does the backward for head_dim
+    64 and 128 (bfloat16, float16, causal or not); head_dim 256 differentiates with the
+    reference's FlashAttention backward (exact, but it materializes the scores), as does
+    the reference path. Forward mode (jvp) works on the reference path only (the kernel
+    paths are a custom_vjp).
     """
     arrays = dict(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_lengths=q_lengths, kv_lengths=kv_lengths)
     spec = _plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
                  return_lse=return_lse, implementation=implementation, alignment=alignment,
-                 window=window, softcap=softcap, **arrays)
+                 window=window, softcap=softcap, deterministic=deterministic, **arrays)
     out, lse = _run(spec, q, k, v, **arrays)
     return (out, lse) if spec.return_lse else out
 

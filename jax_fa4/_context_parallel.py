@@ -107,8 +107,8 @@ def _attend(q, k, v, *, relation, softmax_scale, implementation):
 
     def hidden():
         b, s, h, _ = q.shape
-        return vary_like(q, (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
-                             jnp.full((b, h, s), -jnp.inf, jnp.float32)))
+        return vary_like((q, k, v), (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
+                                     jnp.full((b, h, s), -jnp.inf, jnp.float32)))
 
     if isinstance(relation, int):  # static: not causal
         return run(False)

@@ -14,6 +14,9 @@ from jax_fa4._sharding import vary_like
 from jax_fa4._spec import AttentionSpec
 
 FWD_TARGET = "jax_fa4_fwd"
+BWD_TARGET = "jax_fa4_bwd"
+# Keys per consumer warpgroup of a backward kernel (kernels/config.py BwdTile.consumers).
+BWD_KEYS_PER_CONSUMER = 64
 
 
 def fwd(q, k, v, spec: AttentionSpec):
@@ -24,4 +27,36 @@ def fwd(q, k, v, spec: AttentionSpec):
         jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
-    return vary_like(q, call(q, k, v, **spec.ffi_attributes()))
+    return vary_like((q, k, v), call(q, k, v, **spec.ffi_attributes()))
+
+
+def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
+    """q, out, dout (..., Sq, H, D), k/v (..., Sk, H, D), lse/dlse (..., H, Sq) fp32
+    -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`.
+
+    The kernel's workspaces are extra results: XLA allocates them (so they take part in
+    its buffer assignment and in command buffers) and the kernel initializes them. Their
+    last dimension follows the kernel's query tile (ffi/kernel_table.cc
+    WorkspaceExtents, which the handler checks against these shapes)."""
+    kernel = spec.bwd_kernel
+    *lead, sq, heads, head_dim = q.shape
+    tile_m = kernel["tile_m"]
+    tiles = (sq + tile_m - 1) // tile_m  # symbolic sizes (jax.export) allow this
+    sq_pad = tiles * tile_m
+    consumers = kernel["tile_n"] // BWD_KEYS_PER_CONSUMER
+
+    def rows(extent, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct((*lead, heads, extent), dtype)
+
+    results = (
+        jax.ShapeDtypeStruct(q.shape, q.dtype),  # dq
+        jax.ShapeDtypeStruct(k.shape, k.dtype),  # dk
+        jax.ShapeDtypeStruct(v.shape, v.dtype),  # dv
+        rows(sq_pad),  # lse2: lse in base 2, padded
+        rows(sq_pad),  # dsum: rowsum(dout * out) - dlse
+        rows(sq_pad * head_dim),  # dq_accum: fp32 dq accumulator
+        rows(tiles * consumers, jnp.int32),  # sem: deterministic mode's turn counters
+    )
+    call = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="broadcast_all")
+    dq, dk, dv, *_workspaces = call(q, k, v, out, dout, lse, dlse, **spec.bwd_ffi_attributes())
+    return vary_like((q, k, v, out, dout, lse, dlse), (dq, dk, dv))

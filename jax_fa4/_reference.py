@@ -101,29 +101,43 @@ def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, s
     return out.astype(q.dtype), lse
 
 
-def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_scale: float):
+def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_scale: float,
+                       compute_dtype=jnp.float32):
     """The FlashAttention backward from the forward's out and lse: the contract of the
-    backward kernels, and the kernel path's backward until they land.
+    backward kernels, the backward of configurations without one, and the oracle of their
+    tests.
 
     With S = Q K^T, P = exp(scale * S - lse), dP = dO V^T, D = rowsum(dO * O) - dlse and
     dS = P * (dP - D):  dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO.
-    q, out, dout (..., Sq, H, D); k, v (..., Sk, H, D); lse, dlse (..., H, Sq). Float32
-    math; dq, dk, dv come back in the dtypes of q, k, v. Causal is bottom-right aligned;
-    rows with lse = -inf (no visible key) contribute nothing.
+    q, out, dout (..., Sq, H, D); k, v (..., Sk, H, D); lse, dlse (..., H, Sq). Causal is
+    bottom-right aligned; rows with lse = -inf (no visible key) contribute nothing;
+    dq, dk, dv come back in the dtypes of q, k, v.
+
+    `compute_dtype` float32 is the reference. The input dtype gives the numerics rule's
+    low-precision baseline for the backward kernels (KERNELS.md): the same algorithm with
+    every intermediate (S, P, dP, D, dS and the products) rounded to that dtype. Autodiff
+    of the low-precision forward is not that baseline: for a row with one visible key its
+    softmax gradient is exactly 0, where any D = rowsum(dO * O) formulation is not.
     """
+    cd = jnp.dtype(compute_dtype)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    rnd = lambda x: x.astype(cd).astype(jnp.float32)  # noqa: E731
     highest = lax.Precision.HIGHEST
+
+    def mm(spec, a, b):
+        return rnd(jnp.einsum(spec, rnd(a), rnd(b), precision=highest))
+
     scale = jnp.float32(softmax_scale)
-    s = jnp.einsum("...qhd,...khd->...hqk", f32(q), f32(k), precision=highest) * scale
+    s = mm("...qhd,...khd->...hqk", f32(q), f32(k)) * scale
     seen = jnp.isfinite(lse)[..., None]
     mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment="bottom_right",
                          window=None).mask
     visible = seen if mask is None else seen & mask
-    p = jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0)
-    dp = jnp.einsum("...qhd,...khd->...hqk", f32(dout), f32(v), precision=highest)
-    d = jnp.einsum("...qhd,...qhd->...hq", f32(dout), f32(out), precision=highest) - f32(dlse)
-    ds = p * (dp - d[..., None])
-    dq = jnp.einsum("...hqk,...khd->...qhd", ds, f32(k), precision=highest) * scale
-    dk = jnp.einsum("...hqk,...qhd->...khd", ds, f32(q), precision=highest) * scale
-    dv = jnp.einsum("...hqk,...qhd->...khd", p, f32(dout), precision=highest)
+    p = rnd(jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0))
+    dp = mm("...qhd,...khd->...hqk", f32(dout), f32(v))
+    d = rnd(mm("...qhd,...qhd->...hq", f32(dout), f32(out)) - f32(dlse))
+    ds = rnd(p * (dp - d[..., None]))
+    dq = mm("...hqk,...khd->...qhd", ds, f32(k)) * scale
+    dk = mm("...hqk,...qhd->...khd", ds, f32(q)) * scale
+    dv = mm("...hqk,...qhd->...khd", p, f32(dout))
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

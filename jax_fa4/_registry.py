@@ -32,12 +32,13 @@ def manifest() -> list[dict]:
     return [dict(entry) for entry in _MANIFEST]
 
 
-def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool) -> str | None:
-    """Name of the compiled kernel for this configuration, None if there is none."""
+def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool) -> dict | None:
+    """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd") and
+    configuration, None if there is none."""
     key = (kind, dtype, head_dim, causal)
     for entry in _MANIFEST:
         if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"]) == key:
-            return entry["name"]
+            return dict(entry)
     return None
 
 

@@ -1,9 +1,10 @@
-"""How XLA partitions the kernel forward under sharded `jit`, and how `vmap` batches it.
+"""How XLA partitions the kernel calls under sharded `jit`, and how `vmap` batches them.
 
 Attention is independent per (batch, head): a device that holds a batch and/or head
-shard of q, k and v computes the same shard of out and lse with the kernel, with no
-communication. The forward is wrapped in `custom_partitioning` with a Shardy rule that
-passes batch and heads through. Sharding the sequence or head_dim would need whole
+shard of the operands computes the same shard of the results with the kernel, with no
+communication. The forward (q, k, v -> out, lse) and the backward (q, k, v, out, dout,
+lse, dlse -> dq, dk, dv) are each wrapped in `custom_partitioning` with a Shardy rule
+that passes batch and heads through. Sharding the sequence or head_dim would need whole
 sequences on every device; rather than let XLA gather them silently, partitioning fails
 with an error that names the sharded axis and what to use instead.
 
@@ -13,6 +14,7 @@ batch dimension (exact, since batch elements are independent) and calls it again
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -20,67 +22,104 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-# Factors: b batch, h heads (pass through); sq, sk sequence lengths, d / e head_dim of
-# q-k / v. Only b and h may be sharded; `_partition` refuses the others.
-_RULE = "b sq h d, b sk h d, b sk h e -> b sq h e, b h sq"
-_SEQ, _HEAD_DIM = 1, 3  # axes of q, k, v (B, S, H, D)
+# Arrays laid out (B, H, Sq); every other array is (B, S, H, D).
+_ROW_STATS = frozenset({"lse", "dlse"})
 
 
-def sharded(forward):
-    """forward(spec, q, k, v) -> (out, lse) for (B, S, H, D) operands, made partitionable
-    over batch and heads and batchable by vmap. Returns f(spec) -> op(q, k, v)."""
-    op = custom_partitioning(forward, static_argnums=(0,))
+@dataclasses.dataclass(frozen=True)
+class Signature:
+    """Operand and result names of one kernel call, in order, and its Shardy rule over
+    the factors b batch, h heads (pass through), sq, sk sequence lengths, d / e head_dim
+    of q-k / v. Only b and h may be sharded; partitioning refuses the others."""
+
+    operands: tuple[str, ...]
+    results: tuple[str, ...]
+    rule: str
+
+
+FORWARD = Signature(("q", "k", "v"), ("out", "lse"),
+                    "b sq h d, b sk h d, b sk h e -> b sq h e, b h sq")
+BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk", "dv"),
+                     "b sq h d, b sk h d, b sk h e, b sq h e, b sq h e, b h sq, b h sq "
+                     "-> b sq h d, b sk h d, b sk h e")
+
+
+def sharded(fn, signature: Signature):
+    """fn(spec, *operands) -> results, every operand and result batch-first, made
+    partitionable over batch and heads and batchable by vmap. Returns
+    f(spec) -> op(*operands)."""
+    op = custom_partitioning(fn, static_argnums=(0,))
+
+    def shardings(mesh, arg_shapes, names):
+        batch, heads = _batch_and_head_axes(signature, arg_shapes)
+        return tuple(NamedSharding(mesh, _partition_spec(name, batch, heads)) for name in names)
 
     def partition(spec, mesh, arg_shapes, result_shape):
-        batch, heads = _batch_and_head_axes(arg_shapes)
-        operand = NamedSharding(mesh, PartitionSpec(batch, None, heads, None))
-        results = (operand, NamedSharding(mesh, PartitionSpec(batch, heads, None)))
-        return mesh, functools.partial(forward, spec), results, (operand,) * 3
+        return (mesh, functools.partial(fn, spec),
+                shardings(mesh, arg_shapes, signature.results),
+                shardings(mesh, arg_shapes, signature.operands))
 
     def infer_sharding_from_operands(spec, mesh, arg_shapes, result_shape):
-        # Used by the GSPMD partitioner (Shardy uses _RULE).
-        batch, heads = _batch_and_head_axes(arg_shapes)
-        return (NamedSharding(mesh, PartitionSpec(batch, None, heads, None)),
-                NamedSharding(mesh, PartitionSpec(batch, heads, None)))
+        # Used by the GSPMD partitioner (Shardy uses the rule).
+        return shardings(mesh, arg_shapes, signature.results)
 
-    op.def_partition(partition=partition, sharding_rule=_RULE,
+    op.def_partition(partition=partition, sharding_rule=signature.rule,
                      infer_sharding_from_operands=infer_sharding_from_operands)
 
     @functools.cache
     def for_spec(spec):
         @jax.custom_batching.custom_vmap
-        def batched(q, k, v):
-            return op(spec, q, k, v)
+        def batched(*operands):
+            return op(spec, *operands)
 
         @batched.def_vmap
-        def fold(axis_size, in_batched, q, k, v):
-            q, k, v = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                       for x, b in zip((q, k, v), in_batched))
-            out, lse = batched(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, v)))
-            return ((out.reshape(axis_size, -1, *out.shape[1:]),
-                     lse.reshape(axis_size, -1, *lse.shape[1:])), (True, True))
+        def fold(axis_size, in_batched, *operands):
+            operands = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                        for x, b in zip(operands, in_batched))
+            results = batched(*(x.reshape(-1, *x.shape[2:]) for x in operands))
+            return (tuple(r.reshape(axis_size, -1, *r.shape[1:]) for r in results),
+                    (True,) * len(results))
 
         return batched
 
     return for_spec
 
 
-def vary_like(ref, values):
-    """Inside shard_map, type `values` (a tuple) as varying over the same manual mesh
-    axes as `ref`: ffi_call results and fresh constants are typed invariant, and
-    branches and merges must agree."""
-    varying = tuple(sorted(jax.typeof(ref).manual_axis_type.varying))
+def vary_like(refs, values):
+    """Inside shard_map, type `values` (a tuple) as varying over every manual mesh axis
+    that one of the arrays `refs` varies over, as computing them from `refs` with jnp
+    would: ffi_call results and fresh constants are typed invariant, and branches and
+    merges must agree."""
+    varying = tuple(sorted(set().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))))
     if not varying:
         return values
     return tuple(jax.lax.pcast(x, varying, to="varying") for x in values)
 
 
-def _batch_and_head_axes(arg_shapes):
-    """The mesh axes q is sharded over along batch and heads; refuses any sharding of
-    the sequence or head_dim of q, k or v."""
-    for name, arg in zip(("q", "k", "v"), arg_shapes):
-        spec = tuple(arg.sharding.spec) + (None,) * (4 - len(arg.sharding.spec))
-        for axis, what in ((_SEQ, "sequence"), (_HEAD_DIM, "head_dim")):
+def sum_like(refs, cotangents):
+    """Inside shard_map, each cotangent summed over the manual mesh axes it varies over
+    and its primal in `refs` does not: an input replicated over an axis gets the sum of
+    every device's contribution (the transpose of the implicit pvary)."""
+    def reduce(ref, ct):
+        extra = jax.typeof(ct).manual_axis_type.varying - jax.typeof(ref).manual_axis_type.varying
+        return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
+
+    return tuple(map(reduce, refs, cotangents))
+
+
+def _partition_spec(name, batch, heads) -> PartitionSpec:
+    if name in _ROW_STATS:
+        return PartitionSpec(batch, heads, None)
+    return PartitionSpec(batch, None, heads, None)
+
+
+def _batch_and_head_axes(signature: Signature, arg_shapes):
+    """The mesh axes q (the first operand) is sharded over along batch and heads;
+    refuses any sharding of the sequence or head_dim of any operand."""
+    for name, arg in zip(signature.operands, arg_shapes):
+        spec = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
+        axes = ((2, "sequence"),) if name in _ROW_STATS else ((1, "sequence"), (3, "head_dim"))
+        for axis, what in axes:
             if spec[axis] is not None:
                 raise NotImplementedError(
                     f"jax_fa4.attention: {name} is sharded along its {what} axis "

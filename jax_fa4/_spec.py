@@ -44,6 +44,9 @@ class AttentionSpec:
     softmax_scale: float
     return_lse: bool
     path: str = "reference"  # one of PATHS, set by _api once it checked the platform
+    # Backward kernel: dq accumulated in a fixed order (bitwise reproducible) instead of
+    # with atomic adds. The forward and the reference are deterministic either way.
+    deterministic: bool = False
     # Features the reference runs and the kernels do not yet (`feature_reason`); the
     # defaults are the plain call. Canonical: equal calls give equal specs.
     head_dim_v: int | None = None  # Dv of v and out; None at construction means D
@@ -72,7 +75,7 @@ class AttentionSpec:
     def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
                     alignment="bottom_right", window=None, softcap=None, sinks=None,
                     q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-                    kv_lengths=None) -> AttentionSpec:
+                    kv_lengths=None, deterministic=False) -> AttentionSpec:
         """Validates q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (arrays or
         ShapeDtypeStructs), the feature arrays and the static arguments."""
         dims = _check_operands(q, k, v, varlen=False)
@@ -89,7 +92,8 @@ class AttentionSpec:
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks,
             has_segment_ids=q_segment_ids is not None, has_q_lengths=q_lengths is not None,
-            has_kv_lengths=kv_lengths is not None)
+            has_kv_lengths=kv_lengths is not None,
+            deterministic=_static_bool("deterministic", deterministic))
 
     @classmethod
     def from_varlen_inputs(cls, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -156,9 +160,19 @@ class AttentionSpec:
     @property
     def kernel_name(self) -> str | None:
         """The forward kernel for (dtype, head_dim, causal); None if none was built."""
+        entry = self._find_kernel("fwd")
+        return entry["name"] if entry else None
+
+    @property
+    def bwd_kernel(self) -> dict | None:
+        """The manifest entry of the backward kernel for (dtype, head_dim, causal); None
+        if none was built (the kernel paths then differentiate with the reference)."""
+        return self._find_kernel("bwd")
+
+    def _find_kernel(self, kind: str) -> dict | None:
         if self.kernel_dtype is None:
             return None
-        return _registry.find_kernel("fwd", self.kernel_dtype, self.head_dim, self.causal)
+        return _registry.find_kernel(kind, self.kernel_dtype, self.head_dim, self.causal)
 
     def feature_reason(self) -> str:
         """Why the kernels cannot take this spec's features; "" when they can."""
@@ -205,6 +219,10 @@ class AttentionSpec:
     def ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_fwd` custom call: causal -> i1, softmax_scale -> f32."""
         return {"causal": self.causal, "softmax_scale": np.float32(self.softmax_scale)}
+
+    def bwd_ffi_attributes(self) -> dict:
+        """Attributes of the `jax_fa4_bwd` custom call: the forward's and deterministic -> i1."""
+        return {**self.ffi_attributes(), "deterministic": self.deterministic}
 
 
 def _check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:

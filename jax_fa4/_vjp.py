@@ -1,10 +1,11 @@
-"""custom_vjp of the kernel paths: kernel (or per-platform) forward, FlashAttention
-backward.
+"""custom_vjp of the kernel paths: kernel (or per-platform) forward and backward.
 
-The backward is `reference_backward`: the FlashAttention formulas from the saved out and
-lse, in pure JAX, so exact (the cotangent of a returned lse included) but slow (it
-materializes the (Sq, Sk) scores). The backward kernels implement the same contract and
-will replace `_bwd`'s body alone.
+The backward is the FlashAttention backward from the saved out and lse (the cotangent
+of a returned lse included): the backward kernel where one was built for (dtype,
+head_dim, causal), with atomic or deterministic dq accumulation as the spec says, and
+`reference_backward` (the same formulas in pure JAX: exact, but it materializes the
+(Sq, Sk) scores) for the rest, head_dim 256 among them. The "platform" path picks per
+platform at lowering, in both directions: the kernels on CUDA, the reference elsewhere.
 """
 
 from __future__ import annotations
@@ -22,18 +23,33 @@ def _reference(spec: AttentionSpec, q, k, v):
     return reference_attention(q, k, v, **spec.reference_options())
 
 
-def _forward_on_shard(spec: AttentionSpec, q, k, v):
-    kernel = functools.partial(_ffi_calls.fwd, spec=spec)
+def _reference_backward(spec: AttentionSpec, q, k, v, out, dout, lse, dlse):
+    return reference_backward(q, k, v, out, lse, dout, dlse, causal=spec.causal,
+                              softmax_scale=spec.softmax_scale)
+
+
+def _on_platform(spec: AttentionSpec, kernel, reference, *args):
     if spec.path == "cute":
-        return kernel(q, k, v)
+        return kernel(*args)
     # path "platform" (the "reference" path never reaches custom_vjp: plain autodiff
     # serves it). Both branches are traced; lowering keeps the target platform's, so
     # one jitted function runs the kernel on CUDA and the reference elsewhere.
-    return jax.lax.platform_dependent(
-        q, k, v, cuda=kernel, default=functools.partial(_reference, spec))
+    return jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
 
 
-_sharded_forward = _sharding.sharded(_forward_on_shard)
+def _forward_on_shard(spec: AttentionSpec, q, k, v):
+    return _on_platform(spec, functools.partial(_ffi_calls.fwd, spec=spec),
+                        functools.partial(_reference, spec), q, k, v)
+
+
+def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse):
+    return _on_platform(spec, functools.partial(_ffi_calls.bwd, spec=spec),
+                        functools.partial(_reference_backward, spec),
+                        q, k, v, out, dout, lse, dlse)
+
+
+_sharded_forward = _sharding.sharded(_forward_on_shard, _sharding.FORWARD)
+_sharded_backward = _sharding.sharded(_backward_on_shard, _sharding.BACKWARD)
 
 
 def _forward(spec: AttentionSpec, q, k, v):
@@ -53,9 +69,15 @@ def _fwd(spec, q, k, v):
 
 def _bwd(spec, residuals, cotangents):
     q, k, v, out, lse = residuals
+    # custom_vjp instantiates symbolic-zero cotangents, so dlse is a (B, H, Sq) fp32
+    # array of zeros when lse is not an output (or not used), as the kernel needs.
     dout, dlse = cotangents
-    return reference_backward(q, k, v, out, lse, dout, dlse, causal=spec.causal,
-                              softmax_scale=spec.softmax_scale)
+    if spec.bwd_kernel is None:
+        # XLA partitions the pure-JAX backward itself (per batch and head, no collectives).
+        grads = _reference_backward(spec, q, k, v, out, dout, lse, dlse)
+    else:
+        grads = _sharded_backward(spec)(q, k, v, out, dout, lse, dlse)
+    return _sharding.sum_like((q, k, v), grads)
 
 
 attention.defvjp(_fwd, _bwd)

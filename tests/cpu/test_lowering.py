@@ -1,4 +1,5 @@
-"""Path selection seen in the HLO lowered for CUDA on this CPU machine, and registration.
+"""Path selection seen in the HLO lowered for CUDA on this CPU machine (forward and
+backward kernel calls, the backward's workspace results), and registration.
 
 `built` uses the real native module when it is built, else a stand-in with the manifest
 of kernels/config.py (lowering needs no registered handler). Tests marked `native` need
@@ -21,6 +22,9 @@ from jax_fa4 import _api, _registry
 
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
                   r"causal = (true|false), softmax_scale = (\S+) : f32")
+BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?causal = (true|false), "
+                      r"deterministic = (true|false), softmax_scale = (\S+) : f32.*?"
+                      r"-> \((.*)\)$", re.MULTILINE)
 
 
 def fwd_calls(fn, *args, platform="cuda"):
@@ -30,6 +34,19 @@ def fwd_calls(fn, *args, platform="cuda"):
     traced = jax.jit(lambda *a: fn(*a)).trace(*args)
     text = traced.lower(lowering_platforms=(platform,)).as_text()
     return [(c == "true", np.float32(s)) for c, s in CALL.findall(text)]
+
+
+def bwd_calls(fn, *args, platform="cuda"):
+    """[(causal, deterministic, softmax_scale, result types)] of each jax_fa4_bwd call."""
+    traced = jax.jit(lambda *a: fn(*a)).trace(*args)
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    return [(c == "true", d == "true", np.float32(s), re.findall(r"tensor<([^>]*)>", results))
+            for c, d, s, results in BWD_CALL.findall(text)]
+
+
+def grad_of_sum(attn):
+    """jax.grad (all of q, k, v) of a scalar of attn's output."""
+    return jax.grad(lambda *a: jnp.sum(attn(*a).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
 def sds(*shape, dtype=jnp.bfloat16):
@@ -90,9 +107,48 @@ def test_vmap_and_grad_lower_to_the_kernel(built):
         out, lse = attn(q, k, v, return_lse=True)
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
-    # value_and_grad: the value needs the forward. (Under plain grad, the residuals out
-    # and lse are dead while the backward is the reference's, so the call is removed.)
     assert len(fwd_calls(jax.value_and_grad(loss), q, q, q)) == 1
+    # Plain grad: the backward kernel needs the forward's out and lse.
+    assert len(fwd_calls(jax.grad(loss), q, q, q)) == 1
+    assert len(bwd_calls(jax.grad(loss), q, q, q)) == 1
+
+
+@pytest.mark.parametrize("dtype,d,causal,deterministic,scale,sq", [
+    (jnp.bfloat16, 128, False, False, None, 17),
+    (jnp.float16, 64, True, True, 0.3, 129),
+    (jnp.bfloat16, 64, True, False, 1.7, 64),
+])
+def test_grad_lowers_to_both_kernels(built, dtype, d, causal, deterministic, scale, sq):
+    q, kv = sds(2, sq, 4, d, dtype=dtype), sds(2, 113, 4, d, dtype=dtype)
+    attn = functools.partial(jax_fa4.attention, causal=causal, softmax_scale=scale,
+                             deterministic=deterministic)
+    grad = grad_of_sum(attn)
+    expected_scale = np.float32(d ** -0.5 if scale is None else scale)
+    assert fwd_calls(grad, q, kv, kv) == [(causal, expected_scale)]
+    # dq, dk, dv, then the workspaces of 64-row query tiles and 2 consumers: lse2 and dsum
+    # (B, H, Sq_pad), dq_accum (B, H, Sq_pad * D), sem (B, H, Sq_pad / 64 * 2).
+    tiles = -(-sq // 64)
+    ty = "bf16" if dtype == jnp.bfloat16 else "f16"
+    results = [f"2x{sq}x4x{d}x{ty}", f"2x113x4x{d}x{ty}", f"2x113x4x{d}x{ty}",
+               f"2x4x{64 * tiles}xf32", f"2x4x{64 * tiles}xf32", f"2x4x{64 * tiles * d}xf32",
+               f"2x4x{2 * tiles}xi32"]
+    assert bwd_calls(grad, q, kv, kv) == [(causal, deterministic, expected_scale, results)]
+    assert bwd_calls(grad, q, kv, kv, platform="cpu") == []
+
+
+def test_grad_without_a_backward_kernel_uses_the_reference(built):
+    # head_dim 256 has a forward kernel and no backward kernel.
+    q = sds(2, 17, 4, 256)
+    grad = grad_of_sum(functools.partial(jax_fa4.attention, causal=True))
+    assert len(fwd_calls(grad, q, q, q)) == 1
+    assert bwd_calls(grad, q, q, q) == []
+
+
+def test_vmap_of_grad_folds_into_the_batch(built):
+    stacked, kv = sds(3, 2, 17, 4, 64), sds(3, 2, 80, 4, 64)
+    grad = grad_of_sum(functools.partial(jax_fa4.attention, causal=True))
+    (call,) = bwd_calls(jax.vmap(grad), stacked, kv, kv)
+    assert call[3][:4] == ["6x17x4x64xbf16", "6x80x4x64xbf16", "6x80x4x64xbf16", "6x4x64xf32"]
 
 
 def test_register_targets_once(monkeypatch):
@@ -117,12 +173,14 @@ def test_import_registers_once(monkeypatch):
         # Without a CUDA backend, XLA queues CUDA registrations until one appears.
         pending = [entry[0] for entry in xla_client._custom_callback.get("CUDA", [])]
         assert pending.count("jax_fa4_fwd") == 1
+        assert pending.count("jax_fa4_bwd") == 1
 
 
 @pytest.mark.native
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
-    assert len(expected_manifest) == 12
+    kinds = [entry["kind"] for entry in expected_manifest]
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (12, 8)
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):

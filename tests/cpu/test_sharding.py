@@ -1,8 +1,9 @@
-"""Sharded jit on 8 CPU devices: the kernel path partitions over batch and heads with
-no collectives, equals the unsharded result, and refuses sequence / head_dim sharding.
+"""Sharded jit on 8 CPU devices: the kernel path (forward and backward) partitions over
+batch and heads with no collectives, equals the unsharded result, and refuses sequence /
+head_dim sharding; gradients inside shard_map.
 
-The `built` fixture selects the kernel path; on CPU its per-platform forward runs the
-reference, which stands in for the kernel inside each shard.
+The `built` fixture selects the kernel path; on CPU its per-platform forward and backward
+run the reference, which stands in for the kernels inside each shard.
 """
 
 import functools
@@ -15,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import _api
+from jax_fa4 import _api, _vjp
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
 
@@ -90,6 +91,9 @@ def test_sharded_gradients_need_no_collectives_and_match(built, mesh, causal):
     q, k, v, dout = inputs()
     shard = NamedSharding(mesh, P("data", None, "model", None))
     step = jax.jit(functools.partial(loss_and_grads, causal=causal), in_shardings=(shard,) * 4)
+    # Forward and backward each partition per shard (custom_partitioning), so XLA never
+    # sees the kernels' operands as arrays it could gather.
+    assert step.lower(q, k, v, dout).as_text().count("@CustomSPMDPartitioning") == 2
     text = compiled_text(step, q, k, v, dout)
     # Only the scalar loss terms are reduced across devices.
     assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
@@ -111,6 +115,21 @@ def test_sequence_or_head_dim_sharding_is_refused(built, mesh, spec, axis):
     fwd = jax.jit(jax_fa4.attention, in_shardings=(shard,) * 3)
     with pytest.raises(Exception, match=f"sharded along its {axis} axis"):
         fwd.lower(q, k, v).compile()
+
+
+@pytest.mark.parametrize("spec,axis", [(P(None, "data", None, None), "sequence"),
+                                       (P(None, None, None, "model"), "head_dim")])
+def test_backward_refuses_sequence_or_head_dim_sharding(built, mesh, spec, axis):
+    # The backward on its own (in a grad, the forward would refuse first).
+    q, k, v, dout = inputs()
+    attention_spec = _api._plan(q, k, v, causal=True, softmax_scale=None, return_lse=True,
+                                implementation=None)
+    out, lse = jax_fa4.attention(q, k, v, causal=True, return_lse=True)
+    shard, replicated = NamedSharding(mesh, spec), NamedSharding(mesh, P())
+    bwd = jax.jit(_vjp._sharded_backward(attention_spec),
+                  in_shardings=(replicated,) * 4 + (shard,) + (replicated,) * 2)
+    with pytest.raises(Exception, match=f"dout is sharded along its {axis} axis"):
+        bwd.lower(q, k, v, out, dout, lse, jnp.zeros_like(lse)).compile()
 
 
 def test_shard_map_runs_per_shard(built, mesh):
@@ -140,3 +159,27 @@ def test_vmap_folds_into_batch(built):
         ref = jax_fa4.attention(stack(q)[i], stack(k)[i], stack(v)[i], causal=True,
                                 implementation="reference")
         assert_same(out[i], ref)
+
+
+def test_shard_map_gradients(built, mesh):
+    # Queries split along the sequence over "data", k and v replicated there: the
+    # gradients of k and v are the sums of every device's contribution.
+    q, k, v, dout = inputs()
+    q_spec, kv_spec = P(None, "data", "model", None), P(None, None, "model", None)
+
+    def grads(implementation):
+        def loss(q, k, v, dout):
+            out, lse = jax_fa4.attention(q, k, v, return_lse=True, implementation=implementation)
+            return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(lse)
+
+        @jax.jit
+        @functools.partial(jax.shard_map, mesh=mesh, in_specs=(q_spec, kv_spec, kv_spec, q_spec),
+                           out_specs=(q_spec, kv_spec, kv_spec))
+        def per_shard(q, k, v, dout):
+            return jax.grad(loss, argnums=(0, 1, 2))(q, k, v, dout)
+
+        return per_shard(q, k, v, dout)
+
+    for got, want in zip(grads(None), grads("reference")):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                                   rtol=2e-2, atol=2e-2)

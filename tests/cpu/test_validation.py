@@ -49,6 +49,8 @@ def test_malformed_operands(entry, q, k, v, match):
     (dict(causal=1), r"causal must be a static Python bool"),
     (dict(causal=None), r"causal must be a static Python bool"),
     (dict(return_lse="yes"), r"return_lse must be a static Python bool"),
+    (dict(deterministic=1), r"deterministic must be a static Python bool"),
+    (dict(deterministic="true"), r"deterministic must be a static Python bool"),
     (dict(softmax_scale="0.1"), r"softmax_scale must be a static Python number; got str"),
     (dict(softmax_scale=True), r"softmax_scale must be a static Python number; got bool"),
     (dict(softmax_scale=jnp.float32(0.1)), r"static Python number; got ArrayImpl"),

@@ -6,7 +6,8 @@ A result passes when
 
 where ref is the reference computed in float32 on the (upcast) inputs and lp is the same
 math with every step in the input dtype: the kernel may be at most twice as wrong as
-straightforward low-precision math. Exposed as the `fa` fixture.
+straightforward low-precision math. For dq, dk, dv: backward_references. Exposed as the
+`fa` fixture.
 """
 
 import functools
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fa4._reference import reference_attention
+from jax_fa4._reference import reference_attention, reference_backward
 
 RTOL = 2.0
 # Twice the float32 rounding error at magnitude 0.3 (eps is the relative spacing of
@@ -29,6 +30,30 @@ ATOL = 2 * float(np.finfo(np.float32).eps) * 0.3
 def _reference(q, k, v, *, causal, softmax_scale, compute_dtype):
     return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                compute_dtype=compute_dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "compute_dtype"))
+def _reference_backward(q, k, v, dout, dlse, *, causal, softmax_scale, compute_dtype):
+    out, lse = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                   compute_dtype=compute_dtype)
+    return reference_backward(q, k, v, out, lse, dout, dlse, causal=causal,
+                              softmax_scale=softmax_scale, compute_dtype=compute_dtype)
+
+
+def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None):
+    """-> ((dq, dk, dv) float32, (dq, dk, dv) in the input dtype's math): the gradients
+    for the cotangents dout of out (B, Sq, H, D) and dlse of lse (B, H, Sq) float32.
+
+    The float32 one is the exact gradient. The low-precision baseline is the FlashAttention
+    backward (the kernels' algorithm) with every intermediate rounded to the input dtype
+    (`reference_backward`), after the low-precision forward."""
+    scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
+    ref = _reference_backward(*f32, dlse, causal=causal, softmax_scale=scale,
+                              compute_dtype="float32")
+    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, causal=causal,
+                             softmax_scale=scale, compute_dtype=jnp.dtype(q.dtype).name)
+    return ref, lp
 
 
 def references(q, k, v, *, causal, softmax_scale=None):
@@ -82,11 +107,22 @@ def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None):
     assert_rule(f"{what} lse", lse, lse_ref, lse_lp)
 
 
+def assert_gradients(what, grads, q, k, v, dout, dlse, *, causal, softmax_scale=None):
+    """dq, dk, dv for the cotangents (dout, dlse) against the rule."""
+    ref, lp = backward_references(q, k, v, dout, dlse, causal=causal,
+                                  softmax_scale=softmax_scale)
+    for name, got, x, r, l in zip(("dq", "dk", "dv"), grads, (q, k, v), ref, lp):
+        assert got.dtype == x.dtype, f"{what} {name}: dtype {got.dtype}"
+        assert_rule(f"{what} {name}", got, r, l)
+
+
 def normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
 @pytest.fixture(scope="session")
 def fa():
-    return types.SimpleNamespace(references=references, assert_rule=assert_rule,
-                                 assert_attention=assert_attention, normal=normal)
+    return types.SimpleNamespace(RTOL=RTOL, references=references, assert_rule=assert_rule,
+                                 assert_attention=assert_attention, normal=normal,
+                                 backward_references=backward_references,
+                                 assert_gradients=assert_gradients)

@@ -1,4 +1,5 @@
-"""The kernel inside XLA command buffers (CUDA graphs), forced on for custom calls.
+"""The kernels inside XLA command buffers (CUDA graphs), forced on for custom calls: the
+forward, and the backward with its XLA-allocated workspaces in both dq modes.
 
 XLA reads XLA_FLAGS once, when the backend starts, so the jitted function runs in a
 subprocess; it saves its inputs, outputs and compiled HLO, and this process checks them.
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.gpu
 
 XLA_FLAGS = "--xla_gpu_enable_command_buffer=FUSION,CUSTOM_CALL --xla_gpu_graph_min_graph_size=1"
 
-SCRIPT = textwrap.dedent("""
+FORWARD_SCRIPT = textwrap.dedent("""
     import sys
     import jax, jax.numpy as jnp, numpy as np
     import jax_fa4
@@ -54,6 +55,45 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
+BACKWARD_SCRIPT = textwrap.dedent("""
+    import functools, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_fa4
+
+    def backward(q, k, v, dout, dlse, deterministic):
+        attn = functools.partial(jax_fa4.attention, causal=True, return_lse=True,
+                                 implementation="cute", deterministic=deterministic)
+        return jax.vjp(attn, q, k, v)[1]((dout, dlse))
+
+    @jax.jit
+    def backward_in_graph(q, k, v, dout, dlse):
+        # Fusions before and after the custom calls, so a command buffer can hold them all.
+        q = (q.astype(jnp.float32) * 2).astype(q.dtype)
+        grads = {"det": backward(q, k, v, dout, dlse, True),
+                 "atomic": backward(q, k, v, dout, dlse, False)}
+        return q, grads, sum(jnp.sum(g[0].astype(jnp.float32) ** 2) for g in grads.values())
+
+    saved = {}
+    for i, seed in enumerate((0, 1)):
+        kq, kk, kv, kdo, kdl = jax.random.split(jax.random.key(seed), 5)
+        q, k, v, dout = (jax.random.normal(key, (2, 700, 4, 128), jnp.float32).astype(jnp.bfloat16)
+                         for key in (kq, kk, kv, kdo))
+        dlse = jax.random.normal(kdl, (2, 4, 700), jnp.float32)
+        if i == 0:
+            saved["hlo"] = np.array(backward_in_graph.lower(q, k, v, dout, dlse).compile().as_text())
+        # The first call records the graph, later calls replay it (with new data for i=1).
+        calls = [backward_in_graph(q, k, v, dout, dlse) for _ in range(3)]
+        for j, (q2, grads, extra) in enumerate(calls):
+            for mode, g in grads.items():
+                for name, x in zip(("dq", "dk", "dv"), g):
+                    saved[f"{name}_{mode}_{i}_{j}"] = np.asarray(x, np.float32)
+            saved[f"extra_{i}_{j}"] = np.asarray(extra)
+        for name, x in (("q", q2), ("k", k), ("v", v), ("dout", dout), ("dlse", dlse)):
+            saved[f"{name}_{i}"] = np.asarray(x, np.float32)  # bf16 -> f32 is exact
+    np.savez(sys.argv[1], **saved)
+""")
+
+
 def _custom_calls_in_command_buffers(thunks: str) -> list[int]:
     """Ids of the kCustomCall thunks nested in a kCommandBuffer, from XLA's dump
     `*.thunk_sequence_after_thunk_passes.txt` (nesting is shown by indentation)."""
@@ -71,7 +111,10 @@ def _custom_calls_in_command_buffers(thunks: str) -> list[int]:
     return inside
 
 
-def test_kernel_in_forced_command_buffer(fa, tmp_path):
+def _run_with_forced_command_buffers(script: str, function: str, tmp_path):
+    """Runs `script` in a subprocess with command buffers forced on; -> (its saved
+    arrays, the compiled HLO's custom-call targets, the ids of the custom-call thunks
+    inside command buffers in the jitted `function`)."""
     result, dump = tmp_path / "result.npz", tmp_path / "xla_dump"
     package_root = pathlib.Path(jax_fa4.__file__).resolve().parents[1]
     flags = f"{XLA_FLAGS} --xla_dump_to={dump}"
@@ -81,21 +124,25 @@ def test_kernel_in_forced_command_buffer(fa, tmp_path):
                XLA_PYTHON_CLIENT_PREALLOCATE="false",
                PYTHONPATH=os.pathsep.join(filter(None, [str(package_root),
                                                         os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(result)], env=env,
+    proc = subprocess.run([sys.executable, "-c", script, str(result)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     saved = np.load(result)
-
-    # The kernel's call is the only custom call, so a custom-call thunk inside a command
-    # buffer is it.
     targets = re.findall(r'custom_call_target="([^"]+)"', str(saved["hlo"]))
-    assert targets == ["jax_fa4_fwd"], targets
-    dumps = sorted(dump.glob("*jit_attention_in_graph*.thunk_sequence_after_thunk_passes.txt"))
+    dumps = sorted(dump.glob(f"*jit_{function}*.thunk_sequence_after_thunk_passes.txt"))
     assert dumps, f"no thunk sequence dumped in {dump}"
     thunks = dumps[0].read_text()
     assert "kCommandBuffer" in thunks, thunks
-    assert _custom_calls_in_command_buffers(thunks), (
-        f"jax_fa4_fwd is not inside a command buffer:\n{thunks}")
+    return saved, targets, _custom_calls_in_command_buffers(thunks)
+
+
+def test_kernel_in_forced_command_buffer(fa, tmp_path):
+    saved, targets, in_buffers = _run_with_forced_command_buffers(
+        FORWARD_SCRIPT, "attention_in_graph", tmp_path)
+    # The kernel's call is the only custom call, so a custom-call thunk inside a command
+    # buffer is it.
+    assert targets == ["jax_fa4_fwd"], targets
+    assert in_buffers, "jax_fa4_fwd is not inside a command buffer"
 
     for i in (0, 1):
         q, k, v = (jnp.asarray(saved[f"{n}_{i}"], jnp.bfloat16) for n in "qkv")
@@ -107,3 +154,28 @@ def test_kernel_in_forced_command_buffer(fa, tmp_path):
         for j in (1, 2):  # replays of the recorded graph give the same bits
             for name in ("out", "lse", "extra"):
                 np.testing.assert_array_equal(saved[f"{name}_{i}_{j}"], saved[f"{name}_{i}_0"])
+
+
+def test_backward_in_forced_command_buffer(fa, tmp_path):
+    saved, targets, in_buffers = _run_with_forced_command_buffers(
+        BACKWARD_SCRIPT, "backward_in_graph", tmp_path)
+    # One backward per mode; the forwards of the two modes are identical calls, which
+    # XLA may merge. They are the only custom calls, and all inside command buffers.
+    assert targets.count("jax_fa4_bwd") == 2 and set(targets) == {"jax_fa4_fwd", "jax_fa4_bwd"}
+    assert len(in_buffers) == len(targets), f"custom calls in command buffers: {in_buffers}"
+
+    for i in (0, 1):
+        q, k, v, dout = (jnp.asarray(saved[f"{n}_{i}"], jnp.bfloat16)
+                         for n in ("q", "k", "v", "dout"))
+        dlse = saved[f"dlse_{i}"]
+        for mode in ("det", "atomic"):
+            grads = [jnp.asarray(saved[f"{n}_{mode}_{i}_0"], jnp.bfloat16)
+                     for n in ("dq", "dk", "dv")]
+            fa.assert_gradients(f"inputs {i} {mode}", grads, q, k, v, dout, dlse, causal=True)
+        extra = sum(np.sum(saved[f"dq_{mode}_{i}_0"].astype(np.float64) ** 2)
+                    for mode in ("det", "atomic"))
+        np.testing.assert_allclose(saved[f"extra_{i}_0"], extra, rtol=1e-4)
+        for j in (1, 2):  # deterministic replays of the recorded graph give the same bits
+            for name in ("dq", "dk", "dv"):
+                np.testing.assert_array_equal(saved[f"{name}_det_{i}_{j}"],
+                                              saved[f"{name}_det_{i}_0"])

@@ -1,5 +1,7 @@
-"""The kernel under JAX transformations on the GPU: jit over many shapes, scan, vmap,
-grad (kernel forward + reference backward), determinism, default path selection."""
+"""The kernels under JAX transformations on the GPU: jit over many shapes, scan, vmap,
+grad (kernel forward and backward; the reference backward for head_dim 256) in jit and in
+scan, vmap of grad, determinism of forward and deterministic backward, default path
+selection."""
 
 import functools
 
@@ -98,25 +100,65 @@ def _loss(attn, w_out, w_lse):
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_grads_follow_the_rule(fa, dtype, causal):
-    from jax_fa4._reference import reference_attention
-
-    q, k, v = _qkv(fa, 2, 239, 113, d=64, dtype=dtype)
+@pytest.mark.parametrize("head_dim,deterministic", [(64, False), (128, True), (256, False)])
+def test_grads_follow_the_rule(fa, dtype, causal, head_dim, deterministic):
+    # jax.grad in jit of a loss of out and lse; head_dim 256 has no backward kernel and
+    # differentiates with the reference backward from the kernel's out and lse.
+    q, k, v = _qkv(fa, 2, 239, 113, d=head_dim, dtype=dtype)
     w_out = jax.random.normal(jax.random.key(7), q.shape)
     w_lse = jax.random.normal(jax.random.key(8), (2, 4, 239))
-    scale = 64 ** -0.5
+    attn = functools.partial(cute, causal=causal, deterministic=deterministic)
+    got = jax.jit(jax.grad(_loss(attn, w_out, w_lse), argnums=(0, 1, 2)))(q, k, v)
+    # The loss's cotangents: dout = w_out rounded to the dtype of out, dlse = w_lse where
+    # lse is finite.
+    _, lse = jax.jit(attn)(q, k, v)
+    dlse = jnp.where(jnp.isfinite(lse), w_lse, 0.0)
+    fa.assert_gradients("grad", got, q, k, v, w_out.astype(q.dtype), dlse, causal=causal)
 
-    def grads(attn, *args):
-        return jax.jit(jax.grad(_loss(attn, w_out, w_lse), argnums=(0, 1, 2)))(*args)
 
-    got = grads(functools.partial(cute, causal=causal), q, k, v)
-    ref = grads(functools.partial(reference_attention, causal=causal, softmax_scale=scale),
-                *(x.astype(jnp.float32) for x in (q, k, v)))
-    lp = grads(functools.partial(reference_attention, causal=causal, softmax_scale=scale,
-                                 compute_dtype=dtype), q, k, v)
-    for name, g, r, l in zip(("dq", "dk", "dv"), got, ref, lp):
-        assert g.dtype == q.dtype
-        fa.assert_rule(name, g, r, l)
+def test_backward_bitwise_deterministic(fa):
+    # Several key blocks per query tile, so several CTAs add into each dq tile.
+    q, k, v = _qkv(fa, 2, 1000, 1000, h=3)
+    dout = fa.normal(jax.random.key(5), q.shape, q.dtype)
+    dlse = jax.random.normal(jax.random.key(6), (2, 3, 1000))
+    attn = functools.partial(cute, causal=True, deterministic=True)
+
+    @jax.jit
+    def backward(q, k, v, dout, dlse):
+        return jax.vjp(attn, q, k, v)[1]((dout, dlse))
+
+    first = jax.device_get(backward(q, k, v, dout, dlse))
+    fa.assert_gradients("deterministic", first, q, k, v, dout, dlse, causal=True)
+    for run in range(100):
+        again = backward(q, k, v, dout, dlse)
+        for name, a, b in zip(("dq", "dk", "dv"), again, first):
+            assert _bits_equal(a, b), f"run {run}: {name} differs from the first run"
+
+
+def test_grad_in_scan(fa):
+    steps, (q, k, v) = 3, _qkv(fa, 2, 300, 500, d=64)
+    qs = jnp.stack([fa.normal(jax.random.key(20 + t), q.shape, q.dtype) for t in range(steps)])
+    w_out = jax.random.normal(jax.random.key(9), q.shape)
+    w_lse = jax.random.normal(jax.random.key(10), (2, 4, 300))
+    attn = functools.partial(cute, causal=True, deterministic=True)
+    grad = jax.grad(_loss(attn, w_out, w_lse), argnums=(0, 1, 2))
+
+    @jax.jit
+    def scanned(qs, k, v):
+        def step(dk_sum, q):
+            dq, dk, _ = grad(q, k, v)
+            return dk_sum + dk.astype(jnp.float32), dq
+        return jax.lax.scan(step, jnp.zeros(k.shape, jnp.float32), qs)
+
+    dk_sum, dqs = scanned(qs, k, v)
+    direct = jax.jit(grad)
+    want = jnp.zeros(k.shape, jnp.float32)
+    for t in range(steps):
+        dq, dk, _ = direct(qs[t], k, v)
+        # Deterministic mode: the same bits in the loop as in a direct call.
+        assert _bits_equal(dqs[t], dq), f"step {t}: scan differs from a direct call"
+        want = want + dk.astype(jnp.float32)
+    np.testing.assert_allclose(dk_sum, want, rtol=1e-6, atol=1e-6)
 
 
 def test_vmap_of_grad(fa):
@@ -141,5 +183,7 @@ def test_default_picks_the_kernel(fa):
     out, lse = f(q, k, v)
     out_cute, lse_cute = jax.jit(functools.partial(cute, causal=True))(q, k, v)
     assert _bits_equal(out, out_cute) and _bits_equal(lse, lse_cute)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(f(q, k, v)[1]), argnums=(0, 1, 2)))
+    assert "jax_fa4_bwd" in grad.lower(q, k, v).compile().as_text()
     ok, reason = jax_fa4.supports(q, k, v, causal=True)
     assert ok and reason == ""
