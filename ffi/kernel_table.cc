@@ -107,7 +107,7 @@ const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal) {
 BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q) {
   const int64_t tiles = (seqlen_q + kernel.tile_m - 1) / kernel.tile_m;
   const int64_t sq_pad = tiles * kernel.tile_m;
-  return {sq_pad, sq_pad * kernel.head_dim, tiles * (kernel.tile_n / kBwdKeysPerConsumer)};
+  return {sq_pad, sq_pad * kernel.head_dim, tiles * kernel.dq_parts};
 }
 
 cudaError_t EnsureLoaded(const FwdKernel& kernel) {

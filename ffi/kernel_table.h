@@ -71,6 +71,7 @@ struct Kernel {
   bool causal;
   int tile_m;
   int tile_n;
+  int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
   cudaError_t (*load)();  // loads the module onto every visible device
   int32_t (*launch)(const Args&, cudaStream_t);
 };
@@ -87,9 +88,6 @@ const char* DtypeName(Dtype dtype);
 // nullptr when no kernel was built for this configuration.
 const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal);
 const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal);
-
-// Keys per consumer warpgroup of the backward (kernels/config.py BwdTile.consumers).
-constexpr int kBwdKeysPerConsumer = 64;
 
 // Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),
 // dq_accum and sem, each (batch, heads, extent).

@@ -138,7 +138,8 @@ def supports(q, k, v, **kwargs) -> tuple[bool, str]:
 
 
 def kernels() -> list[dict]:
-    """The compiled kernels (name, kind, arch, dtype, head_dim, causal, tile_m, tile_n);
+    """The compiled kernels (name, kind, arch, dtype, head_dim, causal, tile_m, tile_n,
+    and dq_parts for backward kernels);
     [] when the native module is not built."""
     return _registry.manifest()
 

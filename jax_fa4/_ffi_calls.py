@@ -15,8 +15,6 @@ from jax_fa4._spec import AttentionSpec
 
 FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
-# Keys per consumer warpgroup of a backward kernel (kernels/config.py BwdTile.consumers).
-BWD_KEYS_PER_CONSUMER = 64
 
 
 def fwd(q, k, v, spec: AttentionSpec):
@@ -43,7 +41,6 @@ def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
     tile_m = kernel["tile_m"]
     tiles = (sq + tile_m - 1) // tile_m  # symbolic sizes (jax.export) allow this
     sq_pad = tiles * tile_m
-    consumers = kernel["tile_n"] // BWD_KEYS_PER_CONSUMER
 
     def rows(extent, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((*lead, heads, extent), dtype)
@@ -55,7 +52,7 @@ def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
         rows(sq_pad),  # lse2: lse in base 2, padded
         rows(sq_pad),  # dsum: rowsum(dout * out) - dlse
         rows(sq_pad * head_dim),  # dq_accum: fp32 dq accumulator
-        rows(tiles * consumers, jnp.int32),  # sem: deterministic mode's turn counters
+        rows(tiles * kernel["dq_parts"], jnp.int32),  # sem: deterministic mode's turn counters
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="broadcast_all")
     dq, dk, dv, *_workspaces = call(q, k, v, out, dout, lse, dlse, **spec.bwd_ffi_attributes())

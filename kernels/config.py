@@ -1,7 +1,7 @@
 """Kernel configurations: the static choices one exported kernel is compiled for.
 
-A `FwdConfig` names everything that is fixed at compile time (dtype, head_dim, causal,
-target arch) and derives the tile shape from it. Its `name` is the exported symbol
+A `FwdConfig` or `BwdConfig` names everything that is fixed at compile time (dtype,
+head_dim, causal, target arch) and derives the tile shape from it. Its `name` is the exported symbol
 prefix, the key of the generated C++ kernel table and the entry in the manifest that
 `jax_fa4` reads at run time. Batch, sequence lengths, head count and softmax scale are
 runtime values, so `MANIFEST` stays small.
@@ -54,11 +54,15 @@ _TILES = {
 
 
 @dataclasses.dataclass(frozen=True)
-class FwdConfig:
+class _KernelConfig:
+    """What every exported kernel is compiled for; subclasses set `kind` and `tile`."""
+
     dtype: str
     head_dim: int
     causal: bool
     arch: str = "sm_90a"
+
+    kind = ""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
@@ -69,18 +73,10 @@ class FwdConfig:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
 
     @property
-    def kind(self) -> str:
-        return "fwd"
-
-    @property
-    def tile(self) -> Tile:
-        return _TILES[(self.head_dim, self.causal)]
-
-    @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
         arch = self.arch.removesuffix("a").replace("_", "")
-        return f"fwd_{arch}_{self.dtype}_d{self.head_dim}_{mask}"
+        return f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_{mask}"
 
     def manifest_entry(self) -> dict:
         """The record the native module exposes for this kernel."""
@@ -96,68 +92,55 @@ class FwdConfig:
         }
 
 
-# Backward head dims with a kernel. d256 needs its dK/dV accumulators split differently
-# (2 x 64 x 256 fp32 per warpgroup does not fit in registers) and is not built yet.
-BWD_HEAD_DIMS = (64, 128)
+class FwdConfig(_KernelConfig):
+    kind = "fwd"
+
+    @property
+    def tile(self) -> Tile:
+        return _TILES[(self.head_dim, self.causal)]
 
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
-    """Backward CTA tile: `n` keys stay in shared memory (64 per consumer warpgroup) while
-    the kernel walks the queries `m` rows at a time through a `q_stages`-deep ring."""
+    """Backward CTA tile: `n` keys stay in shared memory while the kernel walks the
+    queries `m` rows at a time through a `q_stages`-deep ring. Two consumer warpgroups
+    either take 64 keys each, or, with `split_head_dim`, share all `n` keys and take
+    half of the head dims each (d256: 64 x 256 fp32 dK and dV per warpgroup would not
+    fit in registers). Either way dQ is added in two column halves (`dq_parts`)."""
 
     m: int
     n: int
     q_stages: int
+    split_head_dim: bool = False
+    consumers: int = 2
 
     @property
-    def consumers(self) -> int:
-        return self.n // 64
+    def dq_parts(self) -> int:
+        return self.consumers
 
 
-@dataclasses.dataclass(frozen=True)
-class BwdConfig:
+# Shared memory (16-bit): Q and dO rings 2 * 2 * m*D, K and V n*D each, staged dS^T (and
+# P^T when split) 2 * m*n (each): d128 64 + 64 + 32 KB + 32 KB fp32 dQ staging; d256
+# 128 + 64 + 32 KB.
+_BWD_TILES = {
+    64: BwdTile(m=64, n=128, q_stages=2),
+    128: BwdTile(m=64, n=128, q_stages=2),
+    256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True),
+}
+
+
+class BwdConfig(_KernelConfig):
     """One exported backward: preprocess, the KV-stationary main kernel and postprocess,
     launched in order by one entry point. Atomic vs deterministic dQ is a runtime flag."""
 
-    dtype: str
-    head_dim: int
-    causal: bool
-    arch: str = "sm_90a"
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
-        if self.head_dim not in BWD_HEAD_DIMS:
-            raise ValueError(f"head_dim {self.head_dim} not in {BWD_HEAD_DIMS}")
-        if self.arch not in ARCHS:
-            raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
-
-    @property
-    def kind(self) -> str:
-        return "bwd"
+    kind = "bwd"
 
     @property
     def tile(self) -> BwdTile:
-        return BwdTile(m=64, n=128, q_stages=2)
-
-    @property
-    def name(self) -> str:
-        mask = "causal" if self.causal else "full"
-        arch = self.arch.removesuffix("a").replace("_", "")
-        return f"bwd_{arch}_{self.dtype}_d{self.head_dim}_{mask}"
+        return _BWD_TILES[self.head_dim]
 
     def manifest_entry(self) -> dict:
-        return {
-            "name": self.name,
-            "kind": self.kind,
-            "arch": self.arch,
-            "dtype": self.dtype,
-            "head_dim": self.head_dim,
-            "causal": self.causal,
-            "tile_m": self.tile.m,
-            "tile_n": self.tile.n,
-        }
+        return {**super().manifest_entry(), "dq_parts": self.tile.dq_parts}
 
 
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
@@ -166,6 +149,6 @@ FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, causal=c)
-    for d, h, c in itertools.product(DTYPES, BWD_HEAD_DIMS, (False, True))
+    for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
 )
 MANIFEST = FWD_MANIFEST + BWD_MANIFEST

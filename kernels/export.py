@@ -136,8 +136,10 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
         kernel, scalars = FwdSm90(cfg), (Float32(1.0),)
     else:
         from kernels.sm90.bwd import BwdSm90
+        from kernels.sm90.bwd_split import BwdSm90SplitD
 
-        kernel, scalars = BwdSm90(cfg), (Float32(1.0), Float32(1.0), Int32(0))
+        kind = BwdSm90SplitD if cfg.tile.split_head_dim else BwdSm90
+        kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0))
     params = TENSORS[cfg.kind]
     # One runtime size per name: batch, heads and each extent of `params`.
     sizes = {name: cute.SymInt() for name in ("batch", "heads", *(p.extent for p in params))}
@@ -231,7 +233,7 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
             causal = "true" if cfg.causal else "false"
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, '
-                f"{cfg.tile.m}, {cfg.tile.n}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
+                f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")
         lines.append(f"const int kNum{kind.capitalize()}Kernels = sizeof({table}) / sizeof({table}[0]);")

@@ -81,6 +81,11 @@ def _row_major_3(t: cute.Tensor) -> cute.Tensor:
 
 
 class BwdSm90:
+    # Writer warps in the producer warpgroup add the consumers' staged dQ partials.
+    dq_writers = True
+    # (tile_m, tile_n) 16-bit tiles staged per ring stage: dS^T.
+    staged_s_tiles = 1
+
     def __init__(self, cfg: BwdConfig):
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
@@ -89,7 +94,7 @@ class BwdSm90:
         self.tile_n = cfg.tile.n
         self.q_stages = cfg.tile.q_stages
         self.consumers = cfg.tile.consumers
-        assert self.tile_n == KEYS_PER_CONSUMER * self.consumers
+        assert self.tile_n == KEYS_PER_CONSUMER * self.consumers or cfg.tile.split_head_dim
         self.threads = WARPGROUP * (1 + self.consumers)
         # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
         self.dq_cols = self.head_dim // self.consumers
@@ -229,7 +234,8 @@ class BwdSm90:
         # buffered: a consumer may write the next tile's dS^T while the other still
         # reads this one.
         sdS_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.COL_MAJOR, (self.tile_m, self.dq_cols, self.tile_n), dt, self.q_stages
+            LayoutEnum.COL_MAJOR, (self.tile_m, self.dq_cols, self.tile_n), dt,
+            self.q_stages * self.staged_s_tiles,
         )
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
@@ -249,23 +255,7 @@ class BwdSm90:
         row_bytes = self.tile_m * 4
         self.q_bytes = cute.size_in_bytes(dt, sQ_one) + row_bytes
         self.kv_bytes = cute.size_in_bytes(dt, sK_one) + cute.size_in_bytes(dt, sV_one)
-        dq_floats = self.tile_m * d
-
-        @cute.struct
-        class Storage:
-            kv_full: cute.struct.MemRange[Int64, 1]
-            q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            do_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 128]
-            sDsum: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.q_stages], 128]
-            sdQ: cute.struct.Align[cute.struct.MemRange[Float32, dq_floats], 128]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
-            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
-
-        self.storage = Storage
+        self.storage = self._storage(sQ_layout, sK_layout, sV_layout, sdS_layout)
         grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
@@ -273,6 +263,28 @@ class BwdSm90:
             tma_atom_dv, tma_dv, mdQaccum, mSem, scale_log2, scale, deterministic,
             sQ_layout, sK_layout, sV_layout, sdS_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+
+    def _storage(self, sQ_layout, sK_layout, sV_layout, sdS_layout):
+        """Shared memory: the rings, K, V, the staged dS^T (and P^T) tiles and, with
+        writer warps, the fp32 staging buffer of both consumers' dQ partials."""
+        dt, rows = self.dtype, self.tile_m * self.q_stages
+
+        @cute.struct
+        class Storage:
+            kv_full: cute.struct.MemRange[Int64, 1]
+            q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            do_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, rows], 128]
+            sDsum: cute.struct.Align[cute.struct.MemRange[Float32, rows], 128]
+            if self.dq_writers:
+                sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+            sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
+
+        return Storage
 
     @cute.kernel
     def kernel(
@@ -345,18 +357,21 @@ class BwdSm90:
                     sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
                     n_block, head, batch, m_begin, m_end,
                 )
-            if warp >= 1 and warp <= self.consumers:
-                self.dq_writer(
-                    storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
-                    n_block, head, batch, m_begin, m_end, tidx % WARP,
-                )
+            # Nested: the DSL only resolves a const_expr that stands alone in its `if`.
+            if cutlass.const_expr(self.dq_writers):
+                if warp >= 1 and warp <= self.consumers:  # noqa: SIM102
+                    self.dq_writer(
+                        storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
+                        n_block, head, batch, m_begin, m_end, tidx % WARP,
+                    )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             self.mma(
                 tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2, scale,
-                sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage.sdQ.data_ptr(), kv_full,
+                sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full,
                 q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
                 n_block, head, batch, m_begin, m_end, n_masked, seqlen_q, seqlen_k,
+                mdQaccum, mSem, deterministic,
             )
 
     def _ring(self, barriers):
@@ -467,12 +482,15 @@ class BwdSm90:
     def mma(
         self,
         tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
-        sQ, sdO, sK, sV, sdS, sLSE2, sDsum, sdQ_ptr, kv_full, q_consumer, do_consumer,
+        sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
         c: Int32, tidx: Int32, warp: Int32,
         n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
         n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
+        """Consumer c's query-tile loop; the dQ writer warps add its dQ partials."""
         d, tm = self.head_dim, self.tile_m
+        sdQ_ptr = storage.sdQ.data_ptr()
         thr_sdp = self._sdp_mma().get_slice(tidx)
         dkv_mma = self._dkv_mma()
         thr_dkv = dkv_mma.get_slice(tidx)
@@ -605,8 +623,7 @@ class BwdSm90:
         barrier.arrive_and_wait()  # both consumers' GEMMs have stopped reading K and V
         r2s = wgmma.acc_store_copy(dkv_mma, self.dtype)
         for vals, buf in ((r_dk, sK), (r_dv, sV)):
-            rows = cute.local_tile(buf[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
-            wgmma.store_acc(r2s, vals, rows, tidx)
+            wgmma.store_acc(r2s, vals, self._dkv_tile(buf[None, None, 0], c), tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         barrier.arrive_and_wait()
         if warp == WARPGROUP // WARP:  # first consumer warp
@@ -619,6 +636,10 @@ class BwdSm90:
                 cute.copy(atom, s_part, g_part)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    def _dkv_tile(self, buf, c):
+        """Consumer c's part of a (tile_n, D) dK or dV tile: its 64 keys."""
+        return cute.local_tile(buf, (KEYS_PER_CONSUMER, self.head_dim), (c, 0))
 
     # ------------------------------------------------------------------ tiled MMAs
     # Fresh per GEMM issue (wgmma.py says why). Each is one warpgroup's.

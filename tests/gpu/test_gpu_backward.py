@@ -22,19 +22,22 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128)  # the backward kernels' (kernels/config.py BWD_HEAD_DIMS)
+HEAD_DIMS = (64, 128, 256)
 CAUSAL = (False, True)
 # Odd sizes around the tiles (64 query rows, 128 keys), Sq < Sk and Sq > Sk (causal rows
 # that see no key), several key blocks per query tile and query tiles per key block.
 SEQLENS = ((1, 1), (1, 239), (17, 113), (113, 203), (128, 128), (129, 1000), (239, 1),
            (799, 3), (1000, 1000))
 DETERMINISTIC = (False, True)
-# With one query row every dv element is a single product P_j * dO: the kernel's error
-# is its two bf16 roundings (P, then dv) and the baseline's max error over so few
-# independent terms swings widely. An emulation of the kernel's math on CPU (6 seeds,
-# Sq=1, Sk=239, d128) stayed within 0.3-1.2x of the baseline; one GPU draw gave 2.27x
-# (1.0e-3 vs 4.5e-4). The rule's other rtol (3, softcap's) applies to that case only.
-SINGLE_ROW_DV_RTOL = 3.0
+# With one query row every dk and dv element is a single product (dS_j q, P_j dO) and dq
+# is one row per head: the errors of kernel and baseline are both a rounding or two of
+# the input dtype, and the baseline's max over so few independent terms swings widely.
+# An emulation of the kernel's math on CPU (6 seeds, Sq=1, Sk=239, d128) stayed within
+# 0.3-1.2x of the baseline for dv; on the H100 three draws of the (Sq=1, Sk=239) grid
+# exceeded 2x: dv bf16 d128 2.27x (1.0e-3 vs 4.5e-4), dk fp16 d64 2.07x (1.00e-4 vs
+# 4.84e-5), dq fp16 d256 2.02x (2.56e-4 vs 1.27e-4), each about one output ulp. The
+# rule's other rtol (3, softcap's) applies to Sq = 1 only.
+SINGLE_ROW_RTOL = 3.0
 BATCH, HEADS = 2, 3
 
 
@@ -95,5 +98,4 @@ def test_backward_matches_reference(fa, dtype, head_dim, causal, sq, sk, determi
     assert bool(_blind_rows_zero(grads[0], blind)), "dq of rows without a visible key"
     for name, got, x, r, l in zip(("dq", "dk", "dv"), grads, (q, k, v), ref, lp):
         assert got.shape == x.shape and got.dtype == x.dtype, name
-        fa.assert_rule(name, got, r, l, rtol=SINGLE_ROW_DV_RTOL if (name, sq) == ("dv", 1)
-                       else fa.RTOL)
+        fa.assert_rule(name, got, r, l, rtol=SINGLE_ROW_RTOL if sq == 1 else fa.RTOL)

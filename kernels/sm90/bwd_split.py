@@ -1,0 +1,219 @@
+"""FlashAttention backward for Hopper at head_dim 256: the kernel of kernels/sm90/bwd.py
+with the head dims, not the keys, split between the two consumer warpgroups.
+
+At d256 one warpgroup's dK and dV for 64 keys would take 256 fp32 registers per
+thread, and a 64-key block of K and V plus 2-stage Q and dO rings already fill shared
+memory. So both consumers work on the same 64 keys, each on 128 of the head dims
+(half h), and the two (keys x queries) GEMMs are shared out:
+
+    consumer 0:  S^T = K Q^T    -> P^T (mask, exp2)     -> shared     (P_READY)
+    consumer 1:  dP^T = V dO^T  -> dS^T = P^T (dP^T - Dsum) -> shared (DS_READY)
+    both, from shared P^T and dS^T:
+        dV_h += P^T dO_h,   dK_h += dS^T Q_h,   dQ_h = dS K_h
+
+P^T and dS^T are staged per ring stage, so a consumer may start the next query tile
+while the other still reads this one. There is no room to stage dQ for bulk adds:
+each consumer adds its dQ_h from registers with red.global.add, into the same
+value-major accumulator layout as bwd.py (one warp instruction covers 32 consecutive
+floats), so the postprocess is shared. Deterministic mode orders these adds with the
+same per-(query tile, half) semaphores.
+"""
+
+import enum
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+
+from kernels.config import BwdConfig
+from kernels.sm90 import mask, wgmma
+from kernels.sm90.bwd import KEYS_PER_CONSUMER, WARPGROUP, BwdSm90, _Fragments
+from kernels.sm90.fragments import rows_cols
+
+
+class Barrier(enum.IntEnum):
+    """Named barrier ids; bwd.Barrier.EPILOGUE (6) is used by the shared epilogue."""
+
+    P_READY = 1  # consumer 0 -> consumer 1: P^T of this query tile is staged
+    DS_READY = 2  # both consumers: P^T and dS^T of this query tile are staged
+    DQ_TURN = 3  # within consumer c (DQ_TURN + c): deterministic turn taken / adds done
+
+
+class BwdSm90SplitD(BwdSm90):
+    dq_writers = False
+    # Per ring stage: dS^T in stages [0, q_stages), P^T in [q_stages, 2 * q_stages).
+    staged_s_tiles = 2
+
+    def __init__(self, cfg: BwdConfig):
+        super().__init__(cfg)
+        assert cfg.tile.split_head_dim and self.tile_n == KEYS_PER_CONSUMER
+
+    @cute.jit
+    def mma(
+        self,
+        tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
+        sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
+        c: Int32, tidx: Int32, warp: Int32,
+        n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+    ):
+        """Consumer c: its share of S^T / dP^T and half c of the head dims."""
+        tm, tn, dc, stages = self.tile_m, self.tile_n, self.dq_cols, self.q_stages
+        thr_sdp = self._sdp_mma().get_slice(tidx)
+        dkv_mma = self._dkv_mma()
+        thr_dkv = dkv_mma.get_slice(tidx)
+        thr_dq = self._dq_mma().get_slice(tidx)
+        s_tiles = cute.local_tile(sdS, (tm, tn, stages), (0, 0, None))
+        sdS_now, sP = s_tiles[None, None, None, 0], s_tiles[None, None, None, 1]
+
+        def half(t):  # head dims [c * dc, (c + 1) * dc) of a (D, rows, stages) view
+            return cute.local_tile(t, (dc, tm, stages), (c, 0, 0))
+
+        frags = _Fragments(
+            k=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK[None, None, 0])),
+            q=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
+            v=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV[None, None, 0])),
+            do=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
+            p_t=thr_dkv.make_fragment_A(thr_dkv.partition_A(wgmma.transposed(sP))),
+            ds_t=thr_dkv.make_fragment_A(thr_dkv.partition_A(wgmma.transposed(sdS_now))),
+            do_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(half(wgmma.transposed(sdO)))),
+            q_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(half(wgmma.transposed(sQ)))),
+            ds=thr_dq.make_fragment_A(thr_dq.partition_A(sdS_now)),
+            k_t=thr_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(
+                wgmma.transposed(sK[None, None, 0]), (dc, tn), (c, 0)))),
+        )
+        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((tn, dc)))
+        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((tn, dc)))
+        acc_dv.fill(0.0)
+        acc_dk.fill(0.0)
+        key0 = n_block * tn
+
+        cute.arch.mbarrier_wait(kv_full, 0)
+        for i in cutlass.range(n_masked, unroll=1):
+            q_consumer, do_consumer = self._split_step(
+                True, m_begin + i, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+                n_block, head, batch, mdQaccum, mSem, deterministic,
+            )
+        for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
+            q_consumer, do_consumer = self._split_step(
+                False, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+                n_block, head, batch, mdQaccum, mSem, deterministic,
+            )
+        self.epilogue(
+            acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
+            sK, sV, c, tidx, warp, n_block, head, batch,
+        )
+
+    @cute.jit
+    def _split_step(
+        self,
+        is_masked: cutlass.Constexpr,
+        m: Int32,
+        frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum, scale_log2: Float32,
+        q_consumer, do_consumer,
+        c: Int32, tidx: Int32, key0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        n_block: Int32, head: Int32, batch: Int32,
+        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+    ):
+        """One query tile; returns the advanced ring consumers."""
+        tm = self.tile_m
+        sdp_mma = self._sdp_mma()
+        thr_sdp = sdp_mma.get_slice(tidx)
+        thr_dq = self._dq_mma().get_slice(tidx)
+        s_shape = thr_sdp.partition_shape_C((KEYS_PER_CONSUMER, tm))
+        coord = thr_sdp.partition_C(cute.make_identity_tensor((KEYS_PER_CONSUMER, tm)))
+        r2s = wgmma.acc_store_copy(sdp_mma, self.dtype)
+        q_handle = q_consumer.wait_and_advance()
+        do_handle = do_consumer.wait_and_advance()
+        stage = q_handle.index
+        p_rows = wgmma.transposed(sP)[None, None, stage]  # (keys, queries)
+        ds_rows = wgmma.transposed(sdS_now)[None, None, stage]
+        acc = thr_sdp.make_fragment_C(s_shape)
+        vals = cute.make_rmem_tensor(acc.layout, self.dtype)
+        if c == 0:
+            wgmma.gemm(self._sdp_mma(), acc, frags.k, frags.q[None, None, None, stage], True)
+            warpgroup.wait_group(0)
+            s_rc = rows_cols(acc)
+            if cutlass.const_expr(is_masked):
+                mask.mask_block_kq(
+                    s_rc, rows_cols(coord), key0, m * tm, seqlen_q, seqlen_k, self.causal
+                )
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                lse2 = sLSE2[coord[i][1], stage]
+                acc[i] = cute.math.exp2(acc[i] * scale_log2 - lse2, fastmath=True)
+            vals.store(acc.load().to(self.dtype))
+            wgmma.store_acc(r2s, vals, p_rows, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self._pair_barrier(Barrier.P_READY).arrive()
+        else:
+            wgmma.gemm(self._sdp_mma(), acc, frags.v, frags.do[None, None, None, stage], True)
+            warpgroup.wait_group(0)
+            self._pair_barrier(Barrier.P_READY).arrive_and_wait()
+            p_frag = thr_sdp.partition_C(p_rows)
+            for i in cutlass.range_constexpr(cute.size(acc)):
+                dsum = sDsum[coord[i][1], stage]
+                acc[i] = p_frag[i].to(Float32) * (acc[i] - dsum)
+            vals.store(acc.load().to(self.dtype))
+            wgmma.store_acc(r2s, vals, ds_rows, tidx)
+            cute.arch.fence_proxy("async.shared", space="cta")
+        self._pair_barrier(Barrier.DS_READY).arrive_and_wait()
+
+        wgmma.gemm(self._dkv_mma(), acc_dv, frags.p_t[None, None, None, stage],
+                   frags.do_t[None, None, None, stage], False)
+        wgmma.gemm(self._dkv_mma(), acc_dk, frags.ds_t[None, None, None, stage],
+                   frags.q_t[None, None, None, stage], False)
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, self.dq_cols)))
+        wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
+        warpgroup.wait_group(0)
+        q_handle.release()
+        do_handle.release()
+        self._add_dq(acc_dq, m, c, tidx, n_block, head, batch, mdQaccum, mSem, deterministic)
+        return q_consumer, do_consumer
+
+    @cute.jit
+    def _add_dq(
+        self, acc_dq, m: Int32, c: Int32, tidx: Int32, n_block: Int32, head: Int32,
+        batch: Int32, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+    ):
+        """Adds consumer c's dQ partial to the accumulator, value-major (bwd.py); in
+        deterministic mode only on this key block's turn, then passes the turn on."""
+        slot = m * self.consumers + c
+        part = self.tile_m * self.dq_cols
+        dst = mdQaccum[batch, head, None].iterator + slot * part + tidx
+        flag = mSem[batch, head, None].iterator + slot
+        turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
+        if deterministic != 0:
+            if tidx == 0:
+                turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                while turn != n_block:
+                    turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+            turn_barrier.arrive_and_wait()
+        for i in cutlass.range_constexpr(self.dq_vals):
+            cute.arch.red(dst + i * WARPGROUP, acc_dq[i], op="add", dtype=Float32,
+                          sem="relaxed", scope="gpu")
+        if deterministic != 0:
+            cute.arch.fence_acq_rel_gpu()  # this thread's adds, before the next turn
+            turn_barrier.arrive_and_wait()
+            if tidx == 0:
+                cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
+
+    def _pair_barrier(self, barrier_id):
+        return pipeline.NamedBarrier(barrier_id, WARPGROUP * self.consumers)
+
+    def _dkv_tile(self, buf, c):
+        """Consumer c's part of a (tile_n, D) dK or dV tile: all keys, half c of D."""
+        return cute.local_tile(buf, (self.tile_n, self.dq_cols), (0, c))
+
+    def _dkv_mma(self):
+        """dV_h += P^T dO_h and dK_h += dS^T Q_h: (64 keys, D / 2), both operands from
+        shared memory."""
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            (1, 1, 1), (KEYS_PER_CONSUMER, self.dq_cols),
+        )
