@@ -92,10 +92,11 @@ STRUCT = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
 
 
 def source_digest() -> str:
-    """Hash of every kernel source file: a change anywhere invalidates the cache."""
+    """Hash of every kernel source file, this one included (its ABI tables and symbolic
+    sizes shape the compiled code): a change anywhere invalidates the cache."""
     h = hashlib.sha256()
     for path in sorted((ROOT / "kernels").rglob("*.py")):
-        if path.name == "export.py" or "__pycache__" in path.parts:
+        if "__pycache__" in path.parts:
             continue
         h.update(path.relative_to(ROOT).as_posix().encode())
         h.update(path.read_bytes())
@@ -141,8 +142,12 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
         kind = BwdSm90SplitD if cfg.tile.split_head_dim else BwdSm90
         kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0))
     params = TENSORS[cfg.kind]
-    # One runtime size per name: batch, heads and each extent of `params`.
-    sizes = {name: cute.SymInt() for name in ("batch", "heads", *(p.extent for p in params))}
+    # One runtime size per name: batch, heads and each extent of `params`. The backward's
+    # workspace extents are whole query tiles (WorkspaceExtents in ffi/kernel_table.cc):
+    # saying so lets the kernels use 16-byte accesses on them.
+    tiles = {"sq_pad": cfg.tile.m, "dq_accum_len": cfg.tile.m * cfg.head_dim}
+    sizes = {name: cute.SymInt(divisibility=tiles.get(name, 1))
+             for name in ("batch", "heads", *(p.extent for p in params))}
     dtypes = {"io": DTYPES[cfg.dtype], "f32": Float32, "i32": Int32}
 
     def fake(p: Param):

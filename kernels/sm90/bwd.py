@@ -54,6 +54,7 @@ from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 
 WARPGROUP = 128
 WARP = 32
+VEC = 8  # 16-bit values per 16-byte access
 KEYS_PER_CONSUMER = 64
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
@@ -149,36 +150,45 @@ class BwdSm90:
         mdQaccum: cute.Tensor,
         mSem: cute.Tensor,
     ):
-        """128 threads, two per query row, each summing half of the head dims."""
+        """128 threads. Row sums: D / 8 consecutive threads per query row, 8 head dims
+        (16 bytes of O and of dO) each, so a warp reads whole rows; then the tile's dQ
+        accumulator is zeroed 16 bytes per thread, a warp writing 512 contiguous bytes."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mO.shape[1]
-        half = self.head_dim // 2
-        row = m_block * self.tile_m + tidx // 2
-        total = Float32(0.0)
-        if row < seqlen_q:
-            o = cute.local_tile(mO[batch, row, head, None], (half,), (tidx % 2,))
-            do = cute.local_tile(mdO[batch, row, head, None], (half,), (tidx % 2,))
-            prod = o.load().to(Float32) * do.load().to(Float32)
-            total = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
-        total = total + cute.arch.shuffle_sync_bfly(total, offset=1)
-        if tidx % 2 == 0:
-            lse2 = Float32.inf  # padding rows: P = exp2(-inf) = 0
-            dsum = Float32(0.0)
+        per_row = self.head_dim // VEC
+        rows_per_pass = WARPGROUP // per_row
+        lane = tidx % per_row
+        for p in cutlass.range_constexpr(self.tile_m // rows_per_pass):
+            row = m_block * self.tile_m + p * rows_per_pass + tidx // per_row
+            total = Float32(0.0)
             if row < seqlen_q:
-                lse = mLSE[batch, head, row]
-                # a row with no visible key (lse = -inf) must also give P = 0
-                lse2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * LOG2_E)
-                dsum = total - mdLSE[batch, head, row]
-            mLSE2[batch, head, row] = lse2
-            mDsum[batch, head, row] = dsum
-        # This tile's dQ accumulator: tile_m * D floats, contiguous.
+                o = cute.local_tile(mO[batch, row, head, None], (VEC,), (lane,))
+                do = cute.local_tile(mdO[batch, row, head, None], (VEC,), (lane,))
+                prod = o.load().to(Float32) * do.load().to(Float32)
+                total = prod.reduce(cute.ReductionOp.ADD, Float32(0.0), 0)
+            for k in cutlass.range_constexpr(int(math.log2(per_row))):
+                total = total + cute.arch.shuffle_sync_bfly(total, offset=per_row >> (k + 1))
+            if lane == 0:
+                lse2 = Float32.inf  # padding rows: P = exp2(-inf) = 0
+                dsum = Float32(0.0)
+                if row < seqlen_q:
+                    lse = mLSE[batch, head, row]
+                    # a row with no visible key (lse = -inf) must also give P = 0
+                    lse2 = cutlass.select_(lse == -Float32.inf, Float32.inf, lse * LOG2_E)
+                    dsum = total - mdLSE[batch, head, row]
+                mLSE2[batch, head, row] = lse2
+                mDsum[batch, head, row] = dsum
         acc = cute.local_tile(
             mdQaccum[batch, head, None], (self.tile_m * self.head_dim,), (m_block,)
         )
-        per_thread = self.tile_m * self.head_dim // WARPGROUP
-        mine = cute.local_tile(acc, (per_thread,), (tidx,))
-        zeros = cute.make_rmem_tensor((per_thread,), Float32)
+        chunks = self.tile_m * self.head_dim // (4 * WARPGROUP)
+        # (4 floats, thread, chunk): slicing the thread keeps 16-byte alignment visible.
+        mine = cute.make_tensor(
+            acc.iterator,
+            cute.make_layout((4, WARPGROUP, chunks), stride=(1, 4, 4 * WARPGROUP)),
+        )[None, tidx, None]
+        zeros = cute.make_rmem_tensor((4, chunks), Float32)
         zeros.fill(0.0)
         cute.autovec_copy(zeros, mine)
         if tidx < self.consumers:
@@ -187,10 +197,18 @@ class BwdSm90:
     # ------------------------------------------------------------------ postprocess
     @cute.kernel
     def postprocess(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32):
-        """One thread per (consumer, thread) of the main kernel's dQ fragment."""
+        """dQ = scale * accumulator in two coalesced passes through shared memory: the
+        accumulator is read value-major (one thread per (consumer, thread) of the main
+        kernel's dQ fragment) into a (tile_m, D) tile; the tile is written 16 bytes per
+        thread, whole rows per warp."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
+        d = self.head_dim
+        # Rows padded by 16 bytes: the fragment's 8 rows per store hit different banks.
+        sdQ = utils.SmemAllocator().allocate_tensor(
+            self.dtype, cute.make_layout((self.tile_m, d), stride=(d + VEC, 1)), byte_alignment=16
+        )
         c = tidx // WARPGROUP
         t = tidx % WARPGROUP
         thr_dq = self._dq_mma().get_slice(t)
@@ -200,10 +218,19 @@ class BwdSm90:
             mdQaccum[batch, head, None], (part,), (m_block * self.consumers + c,)
         )
         for i in cutlass.range_constexpr(self.dq_vals):
-            row = m_block * self.tile_m + coord[i][0]
+            val = acc[i * WARPGROUP + t] * scale
+            sdQ[coord[i][0], c * self.dq_cols + coord[i][1]] = val.to(self.dtype)
+        cute.arch.sync_threads()
+        per_row = d // VEC
+        threads = WARPGROUP * self.consumers
+        for p in cutlass.range_constexpr(self.tile_m * per_row // threads):
+            r = (p * threads + tidx) // per_row
+            lane = tidx % per_row
+            row = m_block * self.tile_m + r
             if row < seqlen_q:
-                val = acc[i * WARPGROUP + t] * scale
-                mdQ[batch, row, head, c * self.dq_cols + coord[i][1]] = val.to(self.dtype)
+                src = cute.local_tile(sdQ[r, None], (VEC,), (lane,))
+                dst = cute.local_tile(mdQ[batch, row, head, None], (VEC,), (lane,))
+                cute.autovec_copy(src, dst)
 
     # ------------------------------------------------------------------ main
     @cute.jit
@@ -358,8 +385,8 @@ class BwdSm90:
                     n_block, head, batch, m_begin, m_end,
                 )
             # Nested: the DSL only resolves a const_expr that stands alone in its `if`.
-            if cutlass.const_expr(self.dq_writers):
-                if warp >= 1 and warp <= self.consumers:  # noqa: SIM102
+            if cutlass.const_expr(self.dq_writers):  # noqa: SIM102
+                if warp >= 1 and warp <= self.consumers:
                     self.dq_writer(
                         storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
                         n_block, head, batch, m_begin, m_end, tidx % WARP,
