@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Quick start. Sets up .venv (Python >= 3.12), builds and installs jax_fa4, then:
+#   bash run.sh train   trains the example GPT (examples/train_gpt.py; GPU or CPU preset)
 #   bash run.sh demo    runs attention on whatever backend is present (examples/demo.py)
 #   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU)
 set -euo pipefail
@@ -42,8 +43,11 @@ setup() {
 
 case "${1:-}" in
   demo) setup && "$VENV/bin/python" examples/demo.py ;;
+  # Trains the example GPT (gpu preset on a GPU, cpu preset elsewhere); extra
+  # arguments go to examples/train_gpt.py, e.g. --attention cudnn.
+  train) setup && "$VENV/bin/python" examples/train_gpt.py "${@:2}" ;;
   # The pytest executable (not python -m) keeps the source tree off sys.path, so the
   # tests import the installed package with its native module, which they then require.
   test) setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q tests ;;
-  *) echo "usage: bash run.sh demo|test" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh train|demo|test [train arguments]" >&2; exit 2 ;;
 esac
