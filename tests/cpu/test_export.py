@@ -69,3 +69,37 @@ def test_export_grad_roundtrip_symbolic_shapes(built):
         for got, want in zip(restored.call(q, k, v), reference(q, k, v)):
             np.testing.assert_allclose(got.astype(jnp.float32), want.astype(jnp.float32),
                                        atol=2e-2, rtol=2e-2)
+
+
+def test_export_of_a_shard_map_roundtrip(built):
+    # Sharded functions export through shard_map: the per-device body holds plain FFI
+    # calls. (A jit whose inputs are sharded partitions attention with
+    # custom_partitioning, whose partitioner is a Python callback that jax.export cannot
+    # serialize.)
+    devices = jax.devices("cpu")
+    if len(devices) < 8:
+        pytest.skip("needs 8 CPU devices (tests/conftest.py sets jax_num_cpu_devices)")
+    mesh = jax.sharding.Mesh(np.array(devices[:8]).reshape(2, 4), ("data", "model"))
+    spec = jax.sharding.PartitionSpec("data", None, "model", None)
+    sharding = jax.sharding.NamedSharding(mesh, spec)
+    attn = jax.shard_map(functools.partial(jax_fa4.attention, causal=True), mesh=mesh,
+                         in_specs=(spec,) * 3, out_specs=spec)
+
+    def loss(q, k, v):
+        return jnp.sum(attn(q, k, v).astype(jnp.float32))
+
+    arg = jax.ShapeDtypeStruct((4, 24, 8, 64), jnp.bfloat16, sharding=sharding)
+    q, k, v = (jax.device_put(jax.random.normal(key, arg.shape, jnp.float32)
+                              .astype(jnp.bfloat16), sharding)
+               for key in jax.random.split(jax.random.key(0), 3))
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in ("jax_fa4_fwd", "jax_fa4_bwd")]
+    for fn in (attn, jax.grad(loss, argnums=(0, 1, 2))):
+        exported = export.export(jax.jit(fn), platforms=("cpu", "cuda"),
+                                 disabled_checks=checks)(arg, arg, arg)
+        assert "stablehlo.custom_call @jax_fa4_fwd" in exported.mlir_module()
+        restored = export.deserialize(exported.serialize())
+        for got, want in zip(jax.tree.leaves(restored.call(q, k, v)),
+                             jax.tree.leaves(jax.jit(fn)(q, k, v))):
+            assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
+            np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                          np.asarray(want, np.float32))
