@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4._api import attention
+from jax_fa4._ring import hop, merge, relation
 from jax_fa4._sharding import vary_like
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -54,13 +55,13 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
     acc = [None] * halves
     for step in range(n):
         if step:  # one hop: device i sends its K/V to device i + 1
-            k, v = lax.ppermute((k, v), axis_name, [(i, (i + 1) % n) for i in range(n)])
+            k, v = hop((k, v), axis_name, n)
         kv_chunks = _chunk_ids((me - step) % n, n, layout)
         for k_part, v_part, c in zip(jnp.split(k, halves, axis=1),
                                      jnp.split(v, halves, axis=1), kv_chunks):
             for i, (q_part, a) in enumerate(zip(q_parts, q_chunks)):
-                part = attend(q_part, k_part, v_part, relation=_relation(a, c, causal))
-                acc[i] = part if acc[i] is None else _merge(acc[i], part)
+                part = attend(q_part, k_part, v_part, relation=relation(a, c, causal))
+                acc[i] = part if acc[i] is None else merge(acc[i], part)
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     lse = jnp.concatenate([l for _, l in acc], axis=2)
     return (out, lse) if return_lse else out
@@ -83,18 +84,8 @@ def unzigzag(x, n: int, axis: int = 1):
     return jnp.concatenate(order, axis=axis)
 
 
-# Relation of a key chunk to a query chunk under causal masking.
-FULL, DIAGONAL, HIDDEN = 0, 1, 2
-
-
 def _chunk_ids(device, n, layout):
     return (device,) if layout == "contiguous" else (device, 2 * n - 1 - device)
-
-
-def _relation(q_chunk, kv_chunk, causal):
-    if not causal:
-        return FULL
-    return jnp.where(kv_chunk < q_chunk, FULL, jnp.where(kv_chunk == q_chunk, DIAGONAL, HIDDEN))
 
 
 def _attend(q, k, v, *, relation, softmax_scale, implementation):
@@ -113,17 +104,3 @@ def _attend(q, k, v, *, relation, softmax_scale, implementation):
     if isinstance(relation, int):  # static: not causal
         return run(False)
     return lax.switch(relation, [lambda: run(False), lambda: run(True), hidden])
-
-
-def _merge(a, b):
-    """Combine two softmax-normalized partial results through their LSE. A side that
-    saw no key (lse = -inf) gets weight 0, also when both did (no NaN)."""
-    (o_a, l_a), (o_b, l_b) = a, b
-    lse = jnp.logaddexp(l_a, l_b)
-    safe = jnp.where(jnp.isfinite(lse), lse, 0.0)
-    w_a, w_b = jnp.exp(l_a - safe), jnp.exp(l_b - safe)
-
-    def rows(w):  # (B, H, S) -> (B, S, H, 1), the layout of out
-        return jnp.swapaxes(w, 1, 2)[..., None]
-
-    return o_a * rows(w_a) + o_b * rows(w_b), lse

@@ -4,9 +4,11 @@ Attention is independent per (batch, head): a device that holds a batch and/or h
 shard of the operands computes the same shard of the results with the kernel, with no
 communication. The forward (q, k, v -> out, lse) and the backward (q, k, v, out, dout,
 lse, dlse -> dq, dk, dv) are each wrapped in `custom_partitioning` with a Shardy rule
-that passes batch and heads through. Sharding the sequence or head_dim would need whole
-sequences on every device; rather than let XLA gather them silently, partitioning fails
-with an error that names the sharded axis and what to use instead.
+that passes batch and heads through. A sharded sequence runs ring attention on each
+device (`_ring`: K/V chunks travel with `ppermute`, partial results merge through their
+LSE). A sharded head_dim, or a sequence sharded unlike q's, would need XLA to gather
+whole arrays; rather than let it do that silently, partitioning fails with an error that
+names the sharded axis and what to use instead.
 
 `custom_partitioning` has no batching rule, so `custom_vmap` folds vmapped axes into the
 batch dimension (exact, since batch elements are independent) and calls it again.
@@ -44,24 +46,28 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
                      "-> b sq h d, b sk h d, b sk h e")
 
 
-def sharded(fn, signature: Signature):
+def sharded(fn, signature: Signature, ring):
     """fn(spec, *operands) -> results, every operand and result batch-first, made
-    partitionable over batch and heads and batchable by vmap. Returns
-    f(spec) -> op(*operands)."""
+    partitionable over batch and heads (and the sequence, through
+    ring(fn, spec, axis_name, *operands) on each device) and batchable by vmap.
+    Returns f(spec) -> op(*operands)."""
     op = custom_partitioning(fn, static_argnums=(0,))
 
-    def shardings(mesh, arg_shapes, names):
-        batch, heads = _batch_and_head_axes(signature, arg_shapes)
-        return tuple(NamedSharding(mesh, _partition_spec(name, batch, heads)) for name in names)
+    def shardings(spec, mesh, arg_shapes, names):
+        axes = _axes(signature, spec, arg_shapes)
+        return tuple(NamedSharding(mesh, _partition_spec(name, *axes)) for name in names)
 
     def partition(spec, mesh, arg_shapes, result_shape):
-        return (mesh, functools.partial(fn, spec),
-                shardings(mesh, arg_shapes, signature.results),
-                shardings(mesh, arg_shapes, signature.operands))
+        _, _, seq = _axes(signature, spec, arg_shapes)
+        per_device = (functools.partial(fn, spec) if seq is None
+                      else functools.partial(ring, fn, spec, seq))
+        return (mesh, per_device,
+                shardings(spec, mesh, arg_shapes, signature.results),
+                shardings(spec, mesh, arg_shapes, signature.operands))
 
     def infer_sharding_from_operands(spec, mesh, arg_shapes, result_shape):
         # Used by the GSPMD partitioner (Shardy uses the rule).
-        return shardings(mesh, arg_shapes, signature.results)
+        return shardings(spec, mesh, arg_shapes, signature.results)
 
     op.def_partition(partition=partition, sharding_rule=signature.rule,
                      infer_sharding_from_operands=infer_sharding_from_operands)
@@ -107,24 +113,35 @@ def sum_like(refs, cotangents):
     return tuple(map(reduce, refs, cotangents))
 
 
-def _partition_spec(name, batch, heads) -> PartitionSpec:
+def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
     if name in _ROW_STATS:
-        return PartitionSpec(batch, heads, None)
-    return PartitionSpec(batch, None, heads, None)
+        return PartitionSpec(batch, heads, seq)
+    return PartitionSpec(batch, seq, heads, None)
 
 
-def _batch_and_head_axes(signature: Signature, arg_shapes):
-    """The mesh axes q (the first operand) is sharded over along batch and heads;
-    refuses any sharding of the sequence or head_dim of any operand."""
-    for name, arg in zip(signature.operands, arg_shapes):
-        spec = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
-        axes = ((2, "sequence"),) if name in _ROW_STATS else ((1, "sequence"), (3, "head_dim"))
-        for axis, what in axes:
-            if spec[axis] is not None:
-                raise NotImplementedError(
-                    f"jax_fa4.attention: {name} is sharded along its {what} axis "
-                    f"({arg.sharding.spec}); the attention kernel needs whole sequences and "
-                    "head_dims on each device. Shard batch and/or heads instead (or use "
-                    "context parallelism for long sequences).")
+def _axes(signature: Signature, spec, arg_shapes):
+    """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
+    A sequence-sharded q takes the ring (every operand's sequence on the same axes);
+    refused: a sharded head_dim, a sequence sharded differently from q's, and causal
+    rings over query and key sequences of different lengths."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
-    return q_spec[0], q_spec[2]
+    seq = q_spec[1]
+    for name, arg in zip(signature.operands, arg_shapes):
+        dims = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
+        if name not in _ROW_STATS and dims[3] is not None:
+            raise NotImplementedError(
+                f"jax_fa4.attention: {name} is sharded along its head_dim axis "
+                f"({arg.sharding.spec}); the attention kernel needs whole head_dims on each "
+                "device. Shard batch, heads or the sequence instead.")
+        arg_seq = dims[2] if name in _ROW_STATS else dims[1]
+        if arg_seq is not None and arg_seq != seq:
+            raise NotImplementedError(
+                f"jax_fa4.attention: {name} is sharded along its sequence axis "
+                f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
+                f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
+                "along their sequence over the same mesh axes.")
+    if seq is not None and spec.causal and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
+        raise NotImplementedError(
+            "jax_fa4.attention: causal attention over a sharded sequence needs queries and "
+            f"keys of one length (got {arg_shapes[0].shape[1]} and {arg_shapes[1].shape[1]}).")
+    return q_spec[0], q_spec[2], seq

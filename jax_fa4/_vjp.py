@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from jax_fa4 import _ffi_calls, _sharding
+from jax_fa4 import _ffi_calls, _ring, _sharding
 from jax_fa4._reference import reference_attention, reference_backward
 from jax_fa4._spec import AttentionSpec
 
@@ -48,8 +48,9 @@ def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse):
                         q, k, v, out, dout, lse, dlse)
 
 
-_sharded_forward = _sharding.sharded(_forward_on_shard, _sharding.FORWARD)
-_sharded_backward = _sharding.sharded(_backward_on_shard, _sharding.BACKWARD)
+_sharded_forward = _sharding.sharded(_forward_on_shard, _sharding.FORWARD, _ring.ring_forward)
+_sharded_backward = _sharding.sharded(_backward_on_shard, _sharding.BACKWARD,
+                                      _ring.ring_backward)
 
 
 def _forward(spec: AttentionSpec, q, k, v):

@@ -1,6 +1,7 @@
 """Sharded jit on 8 CPU devices: the kernel path (forward and backward) partitions over
-batch and heads with no collectives, equals the unsharded result, and refuses sequence /
-head_dim sharding; gradients inside shard_map.
+batch and heads with no collectives and over the sequence with ring attention (only
+collective-permutes), equals the unsharded result, and refuses head_dim sharding and
+sequences sharded unlike q's; gradients inside shard_map.
 
 The `built` fixture selects the kernel path; on CPU its per-platform forward and backward
 run the reference, which stands in for the kernels inside each shard.
@@ -107,28 +108,73 @@ def test_sharded_gradients_need_no_collectives_and_match(built, mesh, causal):
                                    rtol=2e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("spec,axis", [(P(None, "data", None, None), "sequence"),
-                                       (P(None, None, None, "model"), "head_dim")])
-def test_sequence_or_head_dim_sharding_is_refused(built, mesh, spec, axis):
+@pytest.mark.parametrize("causal", [False, True])
+def test_sequence_sharding_runs_the_ring(built, mesh, causal):
+    # Sequence over "model" (4 devices), batch over "data": each device attends its
+    # query chunk to every K/V chunk as they travel around the ring, forward and
+    # backward; no device ever holds a whole sequence.
+    q, k, v, dout = inputs(sk=24)
+    assert_kernel_path(q, k, v, causal)
+    shard = NamedSharding(mesh, P("data", "model", None, None))
+    step = jax.jit(functools.partial(loss_and_grads, causal=causal), in_shardings=(shard,) * 4)
+    fwd = jax.jit(functools.partial(jax_fa4.attention, causal=causal, return_lse=True),
+                  in_shardings=(shard,) * 3)
+    for fn, args in ((fwd, (q, k, v)), (step, (q, k, v, dout))):
+        found = set(COLLECTIVES.findall(compiled_text(fn, *args)))
+        assert found <= {"collective-permute", "all-reduce"}, found
+    text = compiled_text(step, q, k, v, dout)
+    reduced = re.findall(r"= (\S.*?) all-reduce\(", text)
+    assert all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced), reduced
+    out, lse = fwd(q, k, v)
+    assert out.sharding.is_equivalent_to(shard, 4)
+    ref_out, ref_lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
+                                         implementation="reference")
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    (value, grads) = step(q, k, v, dout)
+    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(q, k, v, dout)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+
+
+def test_head_dim_sharding_is_refused(built, mesh):
     q, k, v, _ = inputs()
-    shard = NamedSharding(mesh, spec)
+    shard = NamedSharding(mesh, P(None, None, None, "model"))
     fwd = jax.jit(jax_fa4.attention, in_shardings=(shard,) * 3)
-    with pytest.raises(Exception, match=f"sharded along its {axis} axis"):
+    with pytest.raises(Exception, match="sharded along its head_dim axis"):
         fwd.lower(q, k, v).compile()
 
 
-@pytest.mark.parametrize("spec,axis", [(P(None, "data", None, None), "sequence"),
-                                       (P(None, None, None, "model"), "head_dim")])
-def test_backward_refuses_sequence_or_head_dim_sharding(built, mesh, spec, axis):
+def test_sequence_sharded_unlike_q_is_refused(built, mesh):
+    q, k, v, _ = inputs()
+    whole, split = NamedSharding(mesh, P()), NamedSharding(mesh, P(None, "data", None, None))
+    fwd = jax.jit(jax_fa4.attention, in_shardings=(whole, split, split))
+    with pytest.raises(Exception, match="k is sharded along its sequence axis"):
+        fwd.lower(q, k, v).compile()
+
+
+def test_causal_ring_needs_equal_lengths(built, mesh):
+    q, k, v, _ = inputs()  # Sq 24, Sk 40
+    shard = NamedSharding(mesh, P(None, "data", None, None))
+    fwd = jax.jit(functools.partial(jax_fa4.attention, causal=True), in_shardings=(shard,) * 3)
+    with pytest.raises(Exception, match="needs queries and keys of one length"):
+        fwd.lower(q, k, v).compile()
+
+
+def test_backward_refuses_head_dim_sharding(built, mesh):
     # The backward on its own (in a grad, the forward would refuse first).
     q, k, v, dout = inputs()
     attention_spec = _api._plan(q, k, v, causal=True, softmax_scale=None, return_lse=True,
                                 implementation=None)
     out, lse = jax_fa4.attention(q, k, v, causal=True, return_lse=True)
-    shard, replicated = NamedSharding(mesh, spec), NamedSharding(mesh, P())
+    shard = NamedSharding(mesh, P(None, None, None, "model"))
+    replicated = NamedSharding(mesh, P())
     bwd = jax.jit(_vjp._sharded_backward(attention_spec),
                   in_shardings=(replicated,) * 4 + (shard,) + (replicated,) * 2)
-    with pytest.raises(Exception, match=f"dout is sharded along its {axis} axis"):
+    with pytest.raises(Exception, match="dout is sharded along its head_dim axis"):
         bwd.lower(q, k, v, out, dout, lse, jnp.zeros_like(lse)).compile()
 
 
