@@ -70,11 +70,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
-    dv (and dsinks). Where the forward runs the kernel, so does the backward for head_dim
-    64 and 128 (bfloat16, float16, causal or not); head_dim 256 differentiates with the
-    reference's FlashAttention backward (exact, but it materializes the scores), as does
-    the reference path. Forward mode (jvp) works on the reference path only (the kernel
-    paths are a custom_vjp).
+    dv (and dsinks). Where the forward runs the kernel, so does the backward kernel
+    (`deterministic` picks its dq accumulation); the reference path differentiates the
+    reference. Forward mode (jvp) works on the reference path only (the kernel paths are
+    a custom_vjp).
     """
     arrays = dict(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_lengths=q_lengths, kv_lengths=kv_lengths)
