@@ -8,8 +8,13 @@ native: needs the built native module jax_fa4._ffi (no GPU); skipped in a source
 
 import os
 
-import jax
-import pytest
+# The GPU tests compile a few hundred small reference programs; XLA's GEMM autotuning
+# of each would add compile time and does not change what they check (float32
+# references, and our kernels, which XLA does not tune). Read when the backend starts.
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
 # The kernels and the reference are 32-bit; keep 64-bit types out of every test.
 jax.config.update("jax_enable_x64", False)
