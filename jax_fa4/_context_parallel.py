@@ -15,13 +15,12 @@ sequence into and out of that layout).
 
 from __future__ import annotations
 
-import functools
 
 import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4._api import attention
-from jax_fa4._ring import hop, merge, relation
+from jax_fa4._ring import chunk_pair, hop, merge, unseen
 from jax_fa4._sharding import vary_like
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -47,8 +46,15 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
         raise ValueError(f"the zigzag layout needs an even local length; got {q.shape[1]}")
     n = lax.axis_size(axis_name)
     me = lax.axis_index(axis_name)
-    attend = functools.partial(_attend, softmax_scale=softmax_scale,
-                               implementation=implementation)
+
+    def run(chunk_causal, q, k, v):
+        out, lse = attention(q, k, v, causal=chunk_causal, softmax_scale=softmax_scale,
+                             return_lse=True, implementation=implementation)
+        return out.astype(jnp.float32), lse
+
+    def hidden(q, k, v):
+        return vary_like((q, k, v), unseen(q, v))
+
     halves = 2 if layout == "zigzag" else 1
     q_parts = jnp.split(q, halves, axis=1)
     q_chunks = _chunk_ids(me, n, layout)
@@ -60,7 +66,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
         for k_part, v_part, c in zip(jnp.split(k, halves, axis=1),
                                      jnp.split(v, halves, axis=1), kv_chunks):
             for i, (q_part, a) in enumerate(zip(q_parts, q_chunks)):
-                part = attend(q_part, k_part, v_part, relation=relation(a, c, causal))
+                part = chunk_pair(causal, a, c, run, hidden, q_part, k_part, v_part)
                 acc[i] = part if acc[i] is None else merge(acc[i], part)
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     lse = jnp.concatenate([l for _, l in acc], axis=2)
@@ -87,20 +93,3 @@ def unzigzag(x, n: int, axis: int = 1):
 def _chunk_ids(device, n, layout):
     return (device,) if layout == "contiguous" else (device, 2 * n - 1 - device)
 
-
-def _attend(q, k, v, *, relation, softmax_scale, implementation):
-    """(out fp32, lse) of q against one K/V chunk: every key, causal within the chunk, or
-    none (a chunk entirely in the future)."""
-    def run(causal):
-        out, lse = attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                             return_lse=True, implementation=implementation)
-        return out.astype(jnp.float32), lse
-
-    def hidden():
-        b, s, h, _ = q.shape
-        return vary_like((q, k, v), (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
-                                     jnp.full((b, h, s), -jnp.inf, jnp.float32)))
-
-    if isinstance(relation, int):  # static: not causal
-        return run(False)
-    return lax.switch(relation, [lambda: run(False), lambda: run(True), hidden])

@@ -21,10 +21,22 @@ from jax import lax
 FULL, DIAGONAL, HIDDEN = 0, 1, 2
 
 
-def relation(q_chunk, kv_chunk, causal):
+def chunk_pair(causal, q_chunk, kv_chunk, run, nothing, *args):
+    """run(chunk_causal, *args) for a query chunk against a key/value chunk: every key
+    (chunk_causal False), causal within the chunk (the diagonal, True), or nothing(*args)
+    for a chunk wholly in the future. Chunk ids may be traced (lax.switch)."""
     if not causal:
-        return FULL
-    return jnp.where(kv_chunk < q_chunk, FULL, jnp.where(kv_chunk == q_chunk, DIAGONAL, HIDDEN))
+        return run(False, *args)
+    which = jnp.where(kv_chunk < q_chunk, FULL, jnp.where(kv_chunk == q_chunk, DIAGONAL, HIDDEN))
+    branches = [functools.partial(run, False), functools.partial(run, True), nothing]
+    return lax.switch(which, branches, *args)
+
+
+def unseen(q, v):
+    """(out, lse) of queries that saw no key: zeros (fp32) and -inf."""
+    b, s, h, _ = q.shape
+    return (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
+            jnp.full((b, h, s), -jnp.inf, jnp.float32))
 
 
 def merge(a, b):
@@ -46,21 +58,17 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     hold this device's contiguous chunks of the `axis_name`-sharded sequence;
     attend(spec, q, k, v) -> (out, lse) runs one chunk pair (the kernel call). Returns
     this device's (out, lse), merged over the ring."""
-    def run(spec, q, k, v):
-        out, lse = attend(spec, q, k, v)
+    def run(causal, q, k, v):
+        out, lse = attend(dataclasses.replace(spec, causal=causal), q, k, v)
         return out.astype(jnp.float32), lse
-
-    def nothing(q, k, v):
-        b, s, h, _ = q.shape
-        return (jnp.zeros((b, s, h, v.shape[-1]), jnp.float32),
-                jnp.full((b, h, s), -jnp.inf, jnp.float32))
 
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     acc = None
     for step in range(n):
         if step:
             k, v = hop((k, v), axis_name, n)
-        part = _chunk_pair(spec, me, (me - step) % n, run, nothing, q, k, v)
+        part = chunk_pair(spec.causal, me, (me - step) % n, run,
+                          lambda q, k, v: unseen(q, v), q, k, v)
         acc = part if acc is None else merge(acc, part)
     out, lse = acc
     return out.astype(q.dtype), lse
@@ -70,8 +78,9 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     """The automatic path's backward: differentiate(spec, q, k, v, out, dout, lse, dlse)
     -> (dq, dk, dv) runs the FlashAttention backward of one chunk pair from the global
     out and lse (so P and D are the whole sequence's)."""
-    def run(spec, k, v):
-        grads = differentiate(spec, q, k, v, out, dout, lse, dlse)
+    def run(causal, k, v):
+        grads = differentiate(dataclasses.replace(spec, causal=causal), q, k, v, out, dout,
+                              lse, dlse)
         return tuple(g.astype(jnp.float32) for g in grads)
 
     def nothing(k, v):
@@ -82,7 +91,7 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     for step in range(n):
         if step:
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
-        parts = _chunk_pair(spec, me, (me - step) % n, run, nothing, k, v)
+        parts = chunk_pair(spec.causal, me, (me - step) % n, run, nothing, k, v)
         dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
     dk, dv = hop((dk, dv), axis_name, n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -92,13 +101,3 @@ def hop(values, axis_name, n):
     """Device i sends `values` to device i + 1 (mod n)."""
     return lax.ppermute(values, axis_name, [(i, (i + 1) % n) for i in range(n)])
 
-
-def _chunk_pair(spec, q_chunk, kv_chunk, run, nothing, *args):
-    """run(spec', *args) for the query chunk against the key/value chunk: every key,
-    causal within the chunk (the diagonal), or nothing(*args) for a chunk wholly in
-    the future."""
-    if not spec.causal:
-        return run(spec, *args)
-    full = dataclasses.replace(spec, causal=False)
-    branches = [functools.partial(run, full), functools.partial(run, spec), nothing]
-    return lax.switch(relation(q_chunk, kv_chunk, True), branches, *args)

@@ -67,6 +67,24 @@ def compiled_text(fn, *args):
     return fn.lower(*args).compile().as_text()
 
 
+def scalar_all_reduces(text) -> bool:
+    """Whether every all-reduce in compiled HLO `text` reduces f32 scalars (loss terms);
+    asserts there is at least one, the loss's."""
+    reduced = re.findall(r"= (\S.*?) all-reduce\(", text)
+    assert reduced, "no all-reduce of the loss"
+    return all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced)
+
+
+def assert_step_matches(step, causal, args, *, value_rtol, grad_atol):
+    """The sharded loss_and_grads `step` equals the unsharded one."""
+    value, grads = step(*args)
+    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(*args)
+    np.testing.assert_allclose(value, ref_value, rtol=value_rtol)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=grad_atol)
+
+
 @pytest.mark.parametrize("spec", [P("data", None, "model", None), P(("data", "model")),
                                   P(None, None, ("data", "model"), None)],
                          ids=["batch+heads", "batch", "heads"])
@@ -98,14 +116,8 @@ def test_sharded_gradients_need_no_collectives_and_match(built, mesh, causal):
     text = compiled_text(step, q, k, v, dout)
     # Only the scalar loss terms are reduced across devices.
     assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
-    reduced = re.findall(r"= (\S.*?) all-reduce\(", text)
-    assert reduced and all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced), reduced
-    (value, grads) = step(q, k, v, dout)
-    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(q, k, v, dout)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                   rtol=2e-2, atol=2e-2)
+    assert scalar_all_reduces(text)
+    assert_step_matches(step, causal, (q, k, v, dout), value_rtol=1e-5, grad_atol=2e-2)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -122,9 +134,7 @@ def test_sequence_sharding_runs_the_ring(built, mesh, causal):
     for fn, args in ((fwd, (q, k, v)), (step, (q, k, v, dout))):
         found = set(COLLECTIVES.findall(compiled_text(fn, *args)))
         assert found <= {"collective-permute", "all-reduce"}, found
-    text = compiled_text(step, q, k, v, dout)
-    reduced = re.findall(r"= (\S.*?) all-reduce\(", text)
-    assert all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced), reduced
+    assert scalar_all_reduces(compiled_text(step, q, k, v, dout))
     out, lse = fwd(q, k, v)
     assert out.sharding.is_equivalent_to(shard, 4)
     ref_out, ref_lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
@@ -132,12 +142,7 @@ def test_sequence_sharding_runs_the_ring(built, mesh, causal):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
                                rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-    (value, grads) = step(q, k, v, dout)
-    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(q, k, v, dout)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                   rtol=2e-2, atol=3e-2)
+    assert_step_matches(step, causal, (q, k, v, dout), value_rtol=1e-4, grad_atol=3e-2)
 
 
 def test_head_dim_sharding_is_refused(built, mesh):
