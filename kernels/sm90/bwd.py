@@ -25,7 +25,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           dV += P^T dO and dK += dS^T Q; dS^T also goes to shared memory, where both
           consumers read it for their half of the head dims of dQ = dS K.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
-   equals its key block index, then increments it: a fixed summation order.
+   equals the key block's place in the tile's order (mask.dq_turn: ascending, or
+   descending when causal, with the grid launched in that order), then increments
+   it: a fixed summation order.
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
 3. postprocess, one CTA per (query tile, head, batch): dQ = s * accumulator, in dtype.
 
@@ -345,7 +347,14 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, head, batch = cute.arch.block_idx()
+        bx, head, batch = cute.arch.block_idx()
+        n_blocks, _, _ = cute.arch.grid_dim()
+        n_block = bx
+        if cutlass.const_expr(self.causal):
+            # Deterministic causal adds run from the last key block down (mask.dq_turn):
+            # launch in that order, so every block a CTA waits for has started.
+            if deterministic != 0:
+                n_block = n_blocks - 1 - bx
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -389,7 +398,7 @@ class BwdSm90:
                 if warp >= 1 and warp <= self.consumers:
                     self.dq_writer(
                         storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
-                        n_block, head, batch, m_begin, m_end, tidx % WARP,
+                        n_block, head, batch, m_begin, m_end, tidx % WARP, seqlen_q, seqlen_k,
                     )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -469,7 +478,7 @@ class BwdSm90:
     def dq_writer(
         self, sdQ_ptr, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
         c: Int32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
-        lane: Int32,
+        lane: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
         """Reduce-adds consumer c's staged dQ partials into the accumulator. One writer
         warp per consumer, so a deterministic wait for one half never delays the other.
@@ -484,9 +493,10 @@ class BwdSm90:
                 slot = m * self.consumers + c
                 flag = sem_row.iterator + slot
                 if deterministic != 0:
-                    # this tile's earlier key blocks have all added their partials
+                    # the key blocks before this one in the tile's order have all added
+                    mine = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    while turn != n_block:
+                    while turn != mine:
                         turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 _bulk_reduce_add_f32(acc_row.iterator + slot * part, src, part * 4)
                 cute.arch.cp_async_bulk_commit_group()
@@ -500,6 +510,12 @@ class BwdSm90:
                 self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def _dq_turn(self, n_block: Int32, m: Int32, seqlen_q: Int32, seqlen_k: Int32):
+        n_blocks, _, _ = cute.arch.grid_dim()
+        return mask.dq_turn(n_block, m, n_blocks, seqlen_q, seqlen_k, self.tile_m,
+                            self.tile_n, self.causal)
 
     def _dq_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)

@@ -173,13 +173,15 @@ class BwdSm90SplitD(BwdSm90):
         warpgroup.wait_group(0)
         q_handle.release()
         do_handle.release()
-        self._add_dq(acc_dq, m, c, tidx, n_block, head, batch, mdQaccum, mSem, deterministic)
+        self._add_dq(acc_dq, m, c, tidx, n_block, head, batch, mdQaccum, mSem, deterministic,
+                     seqlen_q, seqlen_k)
         return q_consumer, do_consumer
 
     @cute.jit
     def _add_dq(
         self, acc_dq, m: Int32, c: Int32, tidx: Int32, n_block: Int32, head: Int32,
         batch: Int32, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+        seqlen_q: Int32, seqlen_k: Int32,
     ):
         """Adds consumer c's dQ partial to the accumulator, value-major (bwd.py); in
         deterministic mode only on this key block's turn, then passes the turn on."""
@@ -190,8 +192,9 @@ class BwdSm90SplitD(BwdSm90):
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
+                mine = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
                 turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                while turn != n_block:
+                while turn != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
             turn_barrier.arrive_and_wait()
         for i in cutlass.range_constexpr(self.dq_vals):

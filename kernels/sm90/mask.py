@@ -114,3 +114,27 @@ def mask_block_kq(
         for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             if coord_rc[r, c][1] < col_start:
                 s_rc[r, c] = -Float32.inf
+
+
+@cute.jit
+def dq_turn(
+    n_block: Int32,
+    m_block: Int32,
+    n_blocks: Int32,
+    seqlen_q: Int32,
+    seqlen_k: Int32,
+    tile_m: cutlass.Constexpr,
+    tile_n: cutlass.Constexpr,
+    causal: cutlass.Constexpr,
+):
+    """Deterministic backward: the place of key block n_block in the fixed order in which
+    the key blocks that visit query tile m_block add their dQ partials. Without a mask,
+    ascending. Causal, descending from the last block that visits the tile: each block
+    then adds first at its diagonal tile, where its walk over the query tiles starts,
+    so the blocks' walks stay in step instead of waiting on block 0's."""
+    turn = n_block
+    if cutlass.const_expr(causal):
+        # Block n visits tile m iff n * tile_n < (m + 1) * tile_m + Sk - Sq (q_block_range).
+        last = ((m_block + 1) * tile_m + seqlen_k - seqlen_q - 1) // tile_n
+        turn = cutlass.min(last, n_blocks - 1) - n_block
+    return turn
