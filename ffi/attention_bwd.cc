@@ -42,7 +42,7 @@ struct BwdOperands {
 
 struct BwdProblem {
   const BwdKernel* kernel;
-  int64_t batch, seqlen_q, seqlen_k, heads, head_dim;
+  int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv;
   size_t lead;  // leading (batch) dimensions, folded into `batch`
   BwdExtents workspace;
 };
@@ -68,16 +68,19 @@ ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal) {
     return ffi::Error::InvalidArgument("jax_fa4_bwd: q, k, v, out, dout must have the same "
                                        "rank >= 3 (..., S, H, D); got " + shapes);
   const size_t r = qd.size(), lead = r - 3;
-  BwdProblem p{nullptr, 1, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], lead, {}};
+  BwdProblem p{nullptr, 1, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], kd[r - 2], lead, {}};
   for (size_t i = 0; i < lead; ++i) p.batch *= qd[i];
+  if (!GroupsHeads(p.heads, p.heads_kv))
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: the heads of k and v must divide the "
+                                       "heads of q: " + shapes);
   const std::initializer_list<int64_t> q_tail = {p.seqlen_q, p.heads, p.head_dim};
-  const std::initializer_list<int64_t> kv_tail = {p.seqlen_k, p.heads, p.head_dim};
+  const std::initializer_list<int64_t> kv_tail = {p.seqlen_k, p.heads_kv, p.head_dim};
   const std::initializer_list<int64_t> lse_tail = {p.heads, p.seqlen_q};
   if (!HasDims(x.k, qd, lead, kv_tail) || !HasDims(x.v, qd, lead, kv_tail) ||
       !HasDims(x.out, qd, lead, q_tail) || !HasDims(x.dout, qd, lead, q_tail) ||
       !HasDims(x.lse, qd, lead, lse_tail) || !HasDims(x.dlse, qd, lead, lse_tail))
     return ffi::Error::InvalidArgument("jax_fa4_bwd: operand shapes disagree; expected q, out, "
-                                       "dout (..., Sq, H, D), k, v (..., Sk, H, D), lse, dlse "
+                                       "dout (..., Sq, H, D), k, v (..., Sk, Hkv, D), lse, dlse "
                                        "(..., H, Sq): " + shapes);
   const ffi::DataType type = x.q.element_type();
   for (const ffi::AnyBuffer* b : {&x.k, &x.v, &x.out, &x.dout})
@@ -142,6 +145,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const ffi::DataType f32 = ffi::DataType::F32, s32 = ffi::DataType::S32;
   const std::string mismatches[] = {
       ResultMismatch("dq", *dq, type, "of q", qd, p, {p.seqlen_q, p.heads, p.head_dim}),
+      // dk, dv: one partial per query head (kernel_table.h)
       ResultMismatch("dk", *dk, type, "of q", qd, p, {p.seqlen_k, p.heads, p.head_dim}),
       ResultMismatch("dv", *dv, type, "of q", qd, p, {p.seqlen_k, p.heads, p.head_dim}),
       ResultMismatch("lse2", *lse2, f32, "f32", qd, p, {p.heads, w.sq_pad}),
@@ -191,6 +195,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(p.seqlen_q),
                static_cast<int32_t>(p.seqlen_k),
                static_cast<int32_t>(p.heads),
+               static_cast<int32_t>(p.heads_kv),
                static_cast<int32_t>(w.sq_pad),
                static_cast<int32_t>(w.dq_accum),
                static_cast<int32_t>(w.sem),

@@ -29,7 +29,7 @@ std::string Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
 
 struct FwdProblem {
   const FwdKernel* kernel;
-  int64_t batch, seqlen_q, seqlen_k, heads, head_dim;
+  int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv;
 };
 
 // Validates the operands and picks the kernel; shared by both stages.
@@ -47,11 +47,14 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
       return ffi::Error::InvalidArgument("jax_fa4_fwd: leading (batch) dims differ: " + shapes);
     batch *= qd[i];
   }
-  FwdProblem p{nullptr, batch, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1]};
-  if (kd[r - 2] != p.heads || vd[r - 2] != p.heads || kd[r - 1] != p.head_dim ||
-      vd[r - 1] != p.head_dim || vd[r - 3] != p.seqlen_k)
+  FwdProblem p{nullptr, batch, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], kd[r - 2]};
+  if (vd[r - 2] != p.heads_kv || kd[r - 1] != p.head_dim || vd[r - 1] != p.head_dim ||
+      vd[r - 3] != p.seqlen_k)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: heads, head_dim or seqlen_k of q, k, v "
                                        "disagree: " + shapes);
+  if (!GroupsHeads(p.heads, p.heads_kv))
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: the heads of k and v must divide the "
+                                       "heads of q: " + shapes);
   if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
     return ffi::Error::InvalidArgument("jax_fa4_fwd: q, k, v dtypes differ: " + shapes);
   const std::optional<Dtype> dtype = KernelDtype(q.element_type());
@@ -111,6 +114,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(p.seqlen_q),
                static_cast<int32_t>(p.seqlen_k),
                static_cast<int32_t>(p.heads),
+               static_cast<int32_t>(p.heads_kv),
                softmax_scale * kLog2e};
   return LaunchResult(where, p.kernel->launch(args, stream));
 }

@@ -24,6 +24,11 @@ constexpr int kHopperMajor = 9;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr float kLog2e = 1.4426950408889634f;
 
+// GQA/MQA: every group of heads / heads_kv query heads shares one key/value head.
+inline bool GroupsHeads(int64_t heads, int64_t heads_kv) {
+  return heads_kv > 0 ? heads % heads_kv == 0 : heads == 0;
+}
+
 inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
   std::string s = "(";
   for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);

@@ -14,8 +14,9 @@ namespace jax_fa4 {
 enum class Dtype { kBF16, kF16 };
 
 // One forward launch. Tensors are row-major: q, o (batch, seqlen_q, heads, head_dim),
-// k, v (batch, seqlen_k, heads, head_dim), lse (batch, heads, seqlen_q) fp32. Sizes are
-// int32 because the export ABI's shape slots are.
+// k, v (batch, seqlen_k, heads_kv, head_dim), lse (batch, heads, seqlen_q) fp32; query
+// head h reads key/value head h / (heads / heads_kv) (GQA/MQA). Sizes are int32 because
+// the export ABI's shape slots are.
 struct FwdArgs {
   void* q;
   void* k;
@@ -26,12 +27,15 @@ struct FwdArgs {
   int32_t seqlen_q;
   int32_t seqlen_k;
   int32_t heads;
+  int32_t heads_kv;  // divides heads
   float scale_log2;  // softmax_scale * log2(e)
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
-// q, o, dout, dq (batch, seqlen_q, heads, head_dim); k, v, dk, dv (batch, seqlen_k,
-// heads, head_dim); lse, dlse (batch, heads, seqlen_q) fp32. The workspaces (batch,
+// q, o, dout, dq (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, heads_kv,
+// head_dim); dk, dv (batch, seqlen_k, heads, head_dim): one partial per query head, which
+// the caller sums over each group of heads / heads_kv; lse, dlse (batch, heads,
+// seqlen_q) fp32. The workspaces (batch,
 // heads, extent) are XLA-allocated and initialized by the kernel; BwdExtents gives
 // their extents.
 struct BwdArgs {
@@ -53,6 +57,7 @@ struct BwdArgs {
   int32_t seqlen_q;
   int32_t seqlen_k;
   int32_t heads;
+  int32_t heads_kv;      // divides heads
   int32_t sq_pad;        // seqlen_q rounded up to the kernel's tile_m
   int32_t dq_accum_len;  // sq_pad * head_dim
   int32_t sem_len;       // sq_pad / tile_m * consumer warpgroups

@@ -109,7 +109,8 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
 
     With S = Q K^T, P = exp(scale * S - lse), dP = dO V^T, D = rowsum(dO * O) - dlse and
     dS = P * (dP - D):  dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO.
-    q, out, dout (..., Sq, H, D); k, v (..., Sk, H, D); lse, dlse (..., H, Sq). Causal is
+    q, out, dout (..., Sq, H, D); k, v (..., Sk, Hkv, D) with Hkv dividing H (GQA/MQA:
+    dk, dv sum over each group of query heads); lse, dlse (..., H, Sq). Causal is
     bottom-right aligned; rows with lse = -inf (no visible key) contribute nothing;
     dq, dk, dv come back in the dtypes of q, k, v.
 
@@ -128,16 +129,26 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
         return rnd(jnp.einsum(spec, rnd(a), rnd(b), precision=highest))
 
     scale = jnp.float32(softmax_scale)
-    s = mm("...qhd,...khd->...hqk", f32(q), f32(k)) * scale
+    *lead, sq, heads_q, head_dim = q.shape
+    heads_kv = k.shape[-2]
+
+    def grouped(x):  # (..., S, H, D) -> (..., S, Hkv, H / Hkv, D); query head h -> h // group
+        return x.reshape(*x.shape[:-2], heads_kv, -1, x.shape[-1])
+
+    q_, out_, dout_ = (grouped(f32(x)) for x in (q, out, dout))
+    lse = lse.reshape(*lse.shape[:-2], heads_kv, -1, sq)
+    dlse = dlse.reshape(*dlse.shape[:-2], heads_kv, -1, sq)
+    s = mm("...qhgd,...khd->...hgqk", q_, f32(k)) * scale
     seen = jnp.isfinite(lse)[..., None]
     mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment="bottom_right",
                          window=None).mask
     visible = seen if mask is None else seen & mask
     p = rnd(jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0))
-    dp = mm("...qhd,...khd->...hqk", f32(dout), f32(v))
-    d = rnd(mm("...qhd,...qhd->...hq", f32(dout), f32(out)) - f32(dlse))
+    dp = mm("...qhgd,...khd->...hgqk", dout_, f32(v))
+    d = rnd(mm("...qhgd,...qhgd->...hgq", dout_, out_) - f32(dlse))
     ds = rnd(p * (dp - d[..., None]))
-    dq = mm("...hqk,...khd->...qhd", ds, f32(k)) * scale
-    dk = mm("...hqk,...qhd->...khd", ds, f32(q)) * scale
-    dv = mm("...hqk,...qhd->...khd", p, f32(dout))
+    dq = mm("...hgqk,...khd->...qhgd", ds, f32(k)) * scale
+    dk = mm("...hgqk,...qhgd->...khd", ds, q_) * scale
+    dv = mm("...hgqk,...qhgd->...khd", p, dout_)
+    dq = dq.reshape(*lead, sq, heads_q, head_dim)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

@@ -31,8 +31,10 @@ _ROW_STATS = frozenset({"lse", "dlse"})
 @dataclasses.dataclass(frozen=True)
 class Signature:
     """Operand and result names of one kernel call, in order, and its Shardy rule over
-    the factors b batch, h heads (pass through), sq, sk sequence lengths, d / e head_dim
-    of q-k / v. Only b and h may be sharded; partitioning refuses the others."""
+    the factors b batch, h key/value heads (pass through), sq, sk sequence lengths, d / e
+    head_dim of q-k / v. Query heads are the factor `{hq}`: h, or (h g) with g query
+    heads per key/value head (GQA/MQA). Only b and h may be sharded; partitioning
+    refuses the others."""
 
     operands: tuple[str, ...]
     results: tuple[str, ...]
@@ -40,10 +42,10 @@ class Signature:
 
 
 FORWARD = Signature(("q", "k", "v"), ("out", "lse"),
-                    "b sq h d, b sk h d, b sk h e -> b sq h e, b h sq")
+                    "b sq {hq} d, b sk h d, b sk h e -> b sq {hq} e, b {hq} sq")
 BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk", "dv"),
-                     "b sq h d, b sk h d, b sk h e, b sq h e, b sq h e, b h sq, b h sq "
-                     "-> b sq h d, b sk h d, b sk h e")
+                     "b sq {hq} d, b sk h d, b sk h e, b sq {hq} e, b sq {hq} e, b {hq} sq, "
+                     "b {hq} sq -> b sq {hq} d, b sk h d, b sk h e")
 
 
 def sharded(fn, signature: Signature, ring):
@@ -51,14 +53,13 @@ def sharded(fn, signature: Signature, ring):
     partitionable over batch and heads (and the sequence, through
     ring(fn, spec, axis_name, *operands) on each device) and batchable by vmap.
     Returns f(spec) -> op(*operands)."""
-    op = custom_partitioning(fn, static_argnums=(0,))
 
     def shardings(spec, mesh, arg_shapes, names):
-        axes = _axes(signature, spec, arg_shapes)
+        axes = _axes(signature, spec, mesh, arg_shapes)
         return tuple(NamedSharding(mesh, _partition_spec(name, *axes)) for name in names)
 
     def partition(spec, mesh, arg_shapes, result_shape):
-        _, _, seq = _axes(signature, spec, arg_shapes)
+        _, _, seq = _axes(signature, spec, mesh, arg_shapes)
         per_device = (functools.partial(fn, spec) if seq is None
                       else functools.partial(ring, fn, spec, seq))
         return (mesh, per_device,
@@ -69,11 +70,21 @@ def sharded(fn, signature: Signature, ring):
         # Used by the GSPMD partitioner (Shardy uses the rule).
         return shardings(spec, mesh, arg_shapes, signature.results)
 
-    op.def_partition(partition=partition, sharding_rule=signature.rule,
-                     infer_sharding_from_operands=infer_sharding_from_operands)
+    @functools.cache
+    def partitioned(group_size):
+        # The rule's query-head factor depends on the group size, so one op per size.
+        op = custom_partitioning(fn, static_argnums=(0,))
+        grouped = group_size > 1
+        rule = signature.rule.format(hq="(h g)" if grouped else "h")
+        op.def_partition(partition=partition, sharding_rule=rule,
+                         infer_sharding_from_operands=infer_sharding_from_operands,
+                         **({"g": group_size} if grouped else {}))
+        return op
 
     @functools.cache
     def for_spec(spec):
+        op = partitioned(spec.group_size)
+
         @jax.custom_batching.custom_vmap
         def batched(*operands):
             return op(spec, *operands)
@@ -119,13 +130,14 @@ def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
     return PartitionSpec(batch, seq, heads, None)
 
 
-def _axes(signature: Signature, spec, arg_shapes):
+def _axes(signature: Signature, spec, mesh, arg_shapes):
     """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
-    refused: a sharded head_dim, a sequence sharded differently from q's, and causal
-    rings over query and key sequences of different lengths."""
+    refused: a sharded head_dim, a sequence sharded differently from q's, causal rings
+    over query and key sequences of different lengths, and a head sharding that does
+    not split the key/value heads (the second operand) into whole groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
-    seq = q_spec[1]
+    seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
         dims = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
         if name not in _ROW_STATS and dims[3] is not None:
@@ -144,4 +156,18 @@ def _axes(signature: Signature, spec, arg_shapes):
         raise NotImplementedError(
             "jax_fa4.attention: causal attention over a sharded sequence needs queries and "
             f"keys of one length (got {arg_shapes[0].shape[1]} and {arg_shapes[1].shape[1]}).")
-    return q_spec[0], q_spec[2], seq
+    if heads is not None and arg_shapes[1].shape[2] % _axes_size(mesh, heads):
+        raise NotImplementedError(
+            f"jax_fa4.attention: the heads are sharded {_axes_size(mesh, heads)} ways "
+            f"({heads}), which does not divide the {arg_shapes[1].shape[2]} key/value heads: "
+            "each device needs the key/value heads of its query heads. Shard the heads by a "
+            "divisor of Hkv, or shard the batch.")
+    return q_spec[0], heads, seq
+
+
+def _axes_size(mesh, axes) -> int:
+    names = axes if isinstance(axes, tuple) else (axes,)
+    size = 1
+    for name in names:
+        size *= mesh.shape[name]
+    return size

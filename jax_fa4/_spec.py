@@ -178,7 +178,6 @@ class AttentionSpec:
         """Why the kernels cannot take this spec's features; "" when they can."""
         gaps = (
             (self.varlen, "varlen (cu_seqlens)"),
-            (self.group_size != 1, f"GQA/MQA (Hq = {self.group_size} * Hkv)"),
             (self.head_dim_v != self.head_dim,
              f"head_dim_v != head_dim (D={self.head_dim}, Dv={self.head_dim_v})"),
             (self.alignment != "bottom_right", "top_left alignment"),

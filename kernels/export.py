@@ -45,8 +45,9 @@ class Param(NamedTuple):
 
     layout "bshd": (B, S, H, D) row-major with static D -> export struct shapes
     (B, S, H), strides (S*H*D, H*D); "bhn": (B, H, N) row-major -> shapes (B, H, N),
-    strides (H*N, N). `extent` is the FwdArgs / BwdArgs field holding S or N, `field`
-    the one holding the pointer; dtype "io" is the configuration's dtype.
+    strides (H*N, N). `extent` is the FwdArgs / BwdArgs field holding S or N, `heads`
+    the one holding H (K and V have their own with GQA), `field` the one holding the
+    pointer; dtype "io" is the configuration's dtype.
     """
 
     tensor: str
@@ -54,6 +55,7 @@ class Param(NamedTuple):
     layout: str
     extent: str
     dtype: str = "io"
+    heads: str = "heads"
 
 
 # The export ABI of each kind (see ffi/kernel_table.h): tensors, then scalars, then the
@@ -61,15 +63,15 @@ class Param(NamedTuple):
 TENSORS = {
     "fwd": (
         Param("mQ", "q", "bshd", "seqlen_q"),
-        Param("mK", "k", "bshd", "seqlen_k"),
-        Param("mV", "v", "bshd", "seqlen_k"),
+        Param("mK", "k", "bshd", "seqlen_k", heads="heads_kv"),
+        Param("mV", "v", "bshd", "seqlen_k", heads="heads_kv"),
         Param("mO", "o", "bshd", "seqlen_q"),
         Param("mLSE", "lse", "bhn", "seqlen_q", "f32"),
     ),
     "bwd": (
         Param("mQ", "q", "bshd", "seqlen_q"),
-        Param("mK", "k", "bshd", "seqlen_k"),
-        Param("mV", "v", "bshd", "seqlen_k"),
+        Param("mK", "k", "bshd", "seqlen_k", heads="heads_kv"),
+        Param("mV", "v", "bshd", "seqlen_k", heads="heads_kv"),
         Param("mO", "o", "bshd", "seqlen_q"),
         Param("mdO", "dout", "bshd", "seqlen_q"),
         Param("mLSE", "lse", "bhn", "seqlen_q", "f32"),
@@ -147,11 +149,11 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     # saying so lets the kernels use 16-byte accesses on them.
     tiles = {"sq_pad": cfg.tile.m, "dq_accum_len": cfg.tile.m * cfg.head_dim}
     sizes = {name: cute.SymInt(divisibility=tiles.get(name, 1))
-             for name in ("batch", "heads", *(p.extent for p in params))}
+             for name in ("batch", *(p.heads for p in params), *(p.extent for p in params))}
     dtypes = {"io": DTYPES[cfg.dtype], "f32": Float32, "i32": Int32}
 
     def fake(p: Param):
-        b, h, n = sizes["batch"], sizes["heads"], sizes[p.extent]
+        b, h, n = sizes["batch"], sizes[p.heads], sizes[p.extent]
         if p.layout == "bshd":
             shape, order = (b, n, h, cfg.head_dim), (3, 2, 1, 0)
         else:
@@ -210,9 +212,9 @@ def _entry(cfg: Config) -> str:
     for p in TENSORS[cfg.kind]:
         struct = f"{cfg.name}_Tensor_{p.tensor}_t"
         if p.layout == "bshd":
-            make = f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, a.heads, {cfg.head_dim})"
+            make = f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, a.{p.heads}, {cfg.head_dim})"
         else:
-            make = f"Bhn<{struct}>(a.{p.field}, a.batch, a.heads, a.{p.extent})"
+            make = f"Bhn<{struct}>(a.{p.field}, a.batch, a.{p.heads}, a.{p.extent})"
         lines.append(f"  auto {p.field} = {make};")
     call = [f"&{p.field}" for p in TENSORS[cfg.kind]]
     call += [f"a.{field}" for _, field in SCALARS[cfg.kind]] + ["stream"]

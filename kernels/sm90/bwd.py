@@ -433,8 +433,9 @@ class BwdSm90:
         d = self.head_dim
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(kv_full, self.kv_bytes)
+        kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
         for atom, src, dst in ((tma_atom_k, tma_k, sK), (tma_atom_v, tma_v, sV)):
-            g = cute.local_tile(src[None, None, head, batch], (self.tile_n, d), (n_block, 0))
+            g = cute.local_tile(src[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
             s_part, g_part = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1),
                 cute.group_modes(dst[None, None, 0], 0, 2), cute.group_modes(g, 0, 2),

@@ -226,8 +226,9 @@ class FwdSm90:
                     tma_atom_q, tQgQ[None, m_block * self.consumers + c], tQsQ,
                     tma_bar_ptr=q_full,
                 )
-            gK = cute.local_tile(tma_k[None, None, head, batch], (self.tile_n, d), (None, 0))
-            gV = cute.local_tile(tma_v[None, None, head, batch], (d, self.tile_n), (0, None))
+            kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
+            gK = cute.local_tile(tma_k[None, None, kv_head, batch], (self.tile_n, d), (None, 0))
+            gV = cute.local_tile(tma_v[None, None, kv_head, batch], (d, self.tile_n), (0, None))
             tKsK, tKgK = cpasync.tma_partition(
                 tma_atom_k, 0, cute.make_layout(1),
                 cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),

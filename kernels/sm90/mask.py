@@ -3,6 +3,8 @@
 Visibility of key column j from query row i (bottom-right aligned causal, the
 FlashAttention convention):  j < Sk, and if causal  j <= i + Sk - Sq.
 
+Query heads share key/value heads in groups (GQA/MQA; `kv_head`).
+
 Key blocks are visited from the last to the first, so the blocks that need element
 masking (the Sk tail and the causal diagonal) come first and the rest run unmasked.
 """
@@ -138,3 +140,10 @@ def dq_turn(
         last = ((m_block + 1) * tile_m + seqlen_k - seqlen_q - 1) // tile_n
         turn = cutlass.min(last, n_blocks - 1) - n_block
     return turn
+
+
+@cute.jit
+def kv_head(head: Int32, heads: Int32, heads_kv: Int32) -> Int32:
+    """The key/value head query head `head` reads: GQA/MQA groups heads / heads_kv
+    consecutive query heads on one key/value head (heads_kv divides heads)."""
+    return head // (heads // heads_kv)

@@ -137,8 +137,6 @@ def test_traced_static_arguments():
 
 GQA_KV = sds(2, 24, 2, 64)
 FEATURES = [
-    (Q, GQA_KV, GQA_KV, {}, "GQA/MQA (Hq = 2 * Hkv)"),
-    (Q, sds(2, 24, 1, 64), sds(2, 24, 1, 64), {}, "GQA/MQA (Hq = 4 * Hkv)"),
     (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128), {},
      "head_dim_v != head_dim (D=192, Dv=128)"),
     (Q, KV, KV, dict(causal=True, alignment="top_left"), "top_left alignment"),
@@ -149,8 +147,8 @@ FEATURES = [
     (Q, KV, KV, dict(q_lengths=ints(2)), "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(softcap=30.0), "softcap"),
     (Q, KV, KV, dict(sinks=sds(4, dtype=F32)), "sinks"),
-    # The first gap is named.
-    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "GQA/MQA (Hq = 2 * Hkv)"),
+    # The first gap is named; GQA itself is in the kernels.
+    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "window"),
     (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32)), "softcap"),
 ]
 

@@ -137,6 +137,19 @@ def test_grad_lowers_to_both_kernels(built, dtype, d, causal, deterministic, sca
     assert bwd_calls(grad, q, kv, kv, platform="cpu") == []
 
 
+@pytest.mark.parametrize("heads_kv", [2, 1])
+def test_gqa_lowers_to_the_kernels_with_per_head_partials(built, heads_kv):
+    # 8 query heads on 2 (GQA) or 1 (MQA) key/value heads: k and v go in with their own
+    # heads; the backward returns dk, dv per query head, which are summed per group.
+    q, kv = sds(2, 70, 8, 128), sds(2, 113, heads_kv, 128)
+    grad = grad_of_sum(functools.partial(jax_fa4.attention, causal=True))
+    assert len(fwd_calls(grad, q, kv, kv)) == 1
+    (call,) = bwd_calls(grad, q, kv, kv)
+    assert call[3][:3] == ["2x70x8x128xbf16", "2x113x8x128xbf16", "2x113x8x128xbf16"]
+    dq, dk, dv = jax.eval_shape(grad, q, kv, kv)
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, kv.shape, kv.shape)
+
+
 def test_grad_without_a_backward_kernel_uses_the_reference(built, monkeypatch):
     # A module built with forward kernels only (e.g. a partial developer build).
     forward_only = tuple(e for e in _registry._MANIFEST if e["kind"] == "fwd")

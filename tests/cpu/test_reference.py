@@ -119,17 +119,18 @@ def test_out_dtype_follows_input():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (23, 9), (9, 23)])
-def test_reference_backward_matches_autodiff(causal, sq, sk):
+@pytest.mark.parametrize("heads,heads_kv", [(3, 3), (6, 2), (4, 1)])
+def test_reference_backward_matches_autodiff(causal, sq, sk, heads, heads_kv):
     # The explicit FlashAttention backward (the backward kernels' contract) equals
-    # autodiff of the reference, with an lse cotangent and rows that see no key.
+    # autodiff of the reference, with an lse cotangent, rows that see no key and GQA/MQA.
     from jax_fa4._reference import reference_backward
 
     keys = jax.random.split(jax.random.key(7), 5)
-    q = jax.random.normal(keys[0], (2, sq, 3, 16), jnp.float32)
-    k = jax.random.normal(keys[1], (2, sk, 3, 16), jnp.float32)
-    v = jax.random.normal(keys[2], (2, sk, 3, 16), jnp.float32)
-    dout = jax.random.normal(keys[3], (2, sq, 3, 16), jnp.float32)
-    dlse = jax.random.normal(keys[4], (2, 3, sq), jnp.float32)
+    q = jax.random.normal(keys[0], (2, sq, heads, 16), jnp.float32)
+    k = jax.random.normal(keys[1], (2, sk, heads_kv, 16), jnp.float32)
+    v = jax.random.normal(keys[2], (2, sk, heads_kv, 16), jnp.float32)
+    dout = jax.random.normal(keys[3], (2, sq, heads, 16), jnp.float32)
+    dlse = jax.random.normal(keys[4], (2, heads, sq), jnp.float32)
     fwd = functools.partial(reference_attention, causal=causal, softmax_scale=0.3)
     (out, lse), vjp = jax.vjp(fwd, q, k, v)
     want = vjp((dout, dlse))

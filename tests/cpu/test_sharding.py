@@ -234,3 +234,55 @@ def test_shard_map_gradients(built, mesh):
     for got, want in zip(grads(None), grads("reference")):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                    rtol=2e-2, atol=2e-2)
+
+
+def gqa_inputs(heads_kv):
+    q, _, _, dout = inputs()
+    k, v = (jax.random.normal(key, (8, 40, heads_kv, 64), jnp.float32).astype(jnp.bfloat16)
+            for key in jax.random.split(jax.random.key(9), 2))
+    return q, k, v, dout
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_gqa_head_sharding_keeps_groups_on_one_device(built, mesh, causal):
+    # 8 query heads on 4 key/value heads, heads sharded 4 ways: each device holds 2
+    # query heads and the 1 key/value head they share; forward and backward need no
+    # collectives beyond the scalar loss.
+    q, k, v, dout = gqa_inputs(heads_kv=4)
+    assert_kernel_path(q, k, v, causal)
+    shard = NamedSharding(mesh, P("data", None, "model", None))
+    step = jax.jit(functools.partial(loss_and_grads, causal=causal), in_shardings=(shard,) * 4)
+    text = compiled_text(step, q, k, v, dout)
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    reduced = re.findall(r"= (\S.*?) all-reduce\(", text)
+    assert all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced), reduced
+    (value, grads) = step(q, k, v, dout)
+    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(q, k, v, dout)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r, x in zip(grads, ref_grads, (q, k, v)):
+        assert g.shape == x.shape
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=2e-2)
+
+
+def test_gqa_head_sharding_must_divide_the_kv_heads(built, mesh):
+    q, k, v, _ = gqa_inputs(heads_kv=2)
+    shard = NamedSharding(mesh, P(None, None, "model", None))
+    kv_shard = NamedSharding(mesh, P())
+    fwd = jax.jit(jax_fa4.attention, in_shardings=(shard, kv_shard, kv_shard))
+    with pytest.raises(Exception, match="does not divide the 2 key/value heads"):
+        fwd.lower(q, k, v).compile()
+
+
+def test_gqa_sequence_sharding_runs_the_ring(built, mesh):
+    q, k, v, dout = gqa_inputs(heads_kv=2)
+    shard = NamedSharding(mesh, P(None, "data", None, None))
+    step = jax.jit(functools.partial(loss_and_grads, causal=False), in_shardings=(shard,) * 4)
+    assert set(COLLECTIVES.findall(compiled_text(step, q, k, v, dout))) <= {
+        "collective-permute", "all-reduce"}
+    (value, grads) = step(q, k, v, dout)
+    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=False))(q, k, v, dout)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)
