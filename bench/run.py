@@ -65,7 +65,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
-    ap.add_argument("--causal", default="false,true")
+    ap.add_argument("--causal", default="false,true", help="comma-separated false, true")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--passes", default="fwd",
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
@@ -84,6 +84,9 @@ def main():
     # In PASSES order: a backward's time subtracts the forward's, and bwd_det's ratio
     # uses the peers' bwd.
     passes = [p for p in PASSES if p in requested | {"fwd"}]
+    masks = args.causal.split(",")
+    if not set(masks) <= {"false", "true"}:
+        ap.error(f"--causal takes false, true; got {args.causal!r}")
     dtype = getattr(jnp, args.dtype)
     anchors = load_anchors()
     device = jax.devices()[0].device_kind
@@ -96,7 +99,7 @@ def main():
 
     with open(args.out, "a") as out:
         for d in (int(x) for x in args.hdims.split(",")):
-            for causal in (c == "true" for c in args.causal.split(",")):
+            for causal in (c == "true" for c in masks):
                 for s in (int(x) for x in args.seqlens.split(",")):
                     b, h = max(1, TOKENS // s), HIDDEN // d
                     fwd, rows = {}, {}
