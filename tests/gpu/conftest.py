@@ -85,7 +85,7 @@ def _rule_stats(got, ref, lp):
     )
 
 
-def assert_rule(what, got, ref, lp, rtol=RTOL):
+def assert_rule(what, got, ref, lp, rtol=RTOL, atol=ATOL):
     """The rule above; -inf entries of ref (rows that see no key) must be -inf in got."""
     assert got.shape == ref.shape == lp.shape, f"{what}: shapes {got.shape}, {ref.shape}"
     stats = jax.device_get(_rule_stats(got, ref, lp))
@@ -93,9 +93,9 @@ def assert_rule(what, got, ref, lp, rtol=RTOL):
     assert not stats["nonfinite"], f"{what}: non-finite values"
     assert not stats["lp_nonfinite"], f"{what}: the low-precision baseline overflowed"
     err, lp_err = float(stats["err"]), float(stats["lp_err"])
-    bound = rtol * lp_err + ATOL
+    bound = rtol * lp_err + atol
     assert err <= bound, (f"{what}: max|got - ref| = {err:.3e} > {rtol} * max|lp - ref| "
-                          f"({lp_err:.3e}) + atol ({ATOL:.1e}) = {bound:.3e}")
+                          f"({lp_err:.3e}) + atol ({atol:.1e}) = {bound:.3e}")
 
 
 def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None):
@@ -104,7 +104,12 @@ def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None):
                                                       softmax_scale=softmax_scale)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_rule(f"{what} out", out, out_ref, out_lp)
-    assert_rule(f"{what} lse", lse, lse_ref, lse_lp)
+    # Both references keep the softmax statistics in float32, so lse_lp is no
+    # low-precision baseline: lse's floor is float32 rounding at lse's own magnitude
+    # (about 5 to 10, not 0.3), which the kernel's approximate exp2/log2 reach.
+    lse_scale = float(jnp.max(jnp.where(jnp.isfinite(lse_ref), jnp.abs(lse_ref), 0.0)))
+    lse_atol = 2 * float(np.finfo(np.float32).eps) * max(lse_scale, 0.3)
+    assert_rule(f"{what} lse", lse, lse_ref, lse_lp, atol=lse_atol)
 
 
 def assert_gradients(what, grads, q, k, v, dout, dlse, *, causal, softmax_scale=None):
