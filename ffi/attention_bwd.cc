@@ -145,9 +145,8 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const ffi::DataType f32 = ffi::DataType::F32, s32 = ffi::DataType::S32;
   const std::string mismatches[] = {
       ResultMismatch("dq", *dq, type, "of q", qd, p, {p.seqlen_q, p.heads, p.head_dim}),
-      // dk, dv: one partial per query head (kernel_table.h)
-      ResultMismatch("dk", *dk, type, "of q", qd, p, {p.seqlen_k, p.heads, p.head_dim}),
-      ResultMismatch("dv", *dv, type, "of q", qd, p, {p.seqlen_k, p.heads, p.head_dim}),
+      ResultMismatch("dk", *dk, type, "of q", qd, p, {p.seqlen_k, p.heads_kv, p.head_dim}),
+      ResultMismatch("dv", *dv, type, "of q", qd, p, {p.seqlen_k, p.heads_kv, p.head_dim}),
       ResultMismatch("lse2", *lse2, f32, "f32", qd, p, {p.heads, w.sq_pad}),
       ResultMismatch("dsum", *dsum, f32, "f32", qd, p, {p.heads, w.sq_pad}),
       ResultMismatch("dq_accum", *dq_accum, f32, "f32", qd, p, {p.heads, w.dq_accum}),
@@ -235,8 +234,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                                   .Arg<ffi::AnyBuffer>()      // lse (..., H, Sq) f32
                                   .Arg<ffi::AnyBuffer>()      // dlse (..., H, Sq) f32
                                   .Ret<ffi::AnyBuffer>()      // dq (..., Sq, H, D)
-                                  .Ret<ffi::AnyBuffer>()      // dk (..., Sk, H, D)
-                                  .Ret<ffi::AnyBuffer>()      // dv (..., Sk, H, D)
+                                  .Ret<ffi::AnyBuffer>()      // dk (..., Sk, Hkv, D)
+                                  .Ret<ffi::AnyBuffer>()      // dv (..., Sk, Hkv, D)
                                   .Ret<ffi::AnyBuffer>()      // lse2 (..., H, Sq_pad) f32
                                   .Ret<ffi::AnyBuffer>()      // dsum (..., H, Sq_pad) f32
                                   .Ret<ffi::AnyBuffer>()      // dq_accum (..., H, Sq_pad*D) f32

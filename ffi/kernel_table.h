@@ -32,10 +32,8 @@ struct FwdArgs {
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
-// q, o, dout, dq (batch, seqlen_q, heads, head_dim); k, v (batch, seqlen_k, heads_kv,
-// head_dim); dk, dv (batch, seqlen_k, heads, head_dim): one partial per query head, which
-// the caller sums over each group of heads / heads_kv; lse, dlse (batch, heads,
-// seqlen_q) fp32. The workspaces (batch,
+// q, o, dout, dq (batch, seqlen_q, heads, head_dim); k, v, dk, dv (batch, seqlen_k,
+// heads_kv, head_dim); lse, dlse (batch, heads, seqlen_q) fp32. The workspaces (batch,
 // heads, extent) are XLA-allocated and initialized by the kernel; BwdExtents gives
 // their extents.
 struct BwdArgs {

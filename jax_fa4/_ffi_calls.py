@@ -33,9 +33,6 @@ def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
     """q, out, dout (..., Sq, H, D), k/v (..., Sk, Hkv, D), lse/dlse (..., H, Sq) fp32
     -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`.
 
-    With GQA/MQA the kernel writes one dk, dv partial per query head; each group's
-    partials are summed here in float32.
-
     The kernel's workspaces are extra results: XLA allocates them (so they take part in
     its buffer assignment and in command buffers) and the kernel initializes them. Their
     last dimension follows the kernel's query tile (ffi/kernel_table.cc
@@ -51,8 +48,8 @@ def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
 
     results = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),  # dq
-        jax.ShapeDtypeStruct((*k.shape[:-2], heads, head_dim), k.dtype),  # dk per q head
-        jax.ShapeDtypeStruct((*v.shape[:-2], heads, head_dim), v.dtype),  # dv per q head
+        jax.ShapeDtypeStruct(k.shape, k.dtype),  # dk
+        jax.ShapeDtypeStruct(v.shape, v.dtype),  # dv
         rows(sq_pad),  # lse2: lse in base 2, padded
         rows(sq_pad),  # dsum: rowsum(dout * out) - dlse
         rows(sq_pad * head_dim),  # dq_accum: fp32 dq accumulator
@@ -60,14 +57,4 @@ def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="broadcast_all")
     dq, dk, dv, *_workspaces = call(q, k, v, out, dout, lse, dlse, **spec.bwd_ffi_attributes())
-    if spec.group_size > 1:
-        dk, dv = (_sum_groups(g, x) for g, x in ((dk, k), (dv, v)))
     return vary_like((q, k, v, out, dout, lse, dlse), (dq, dk, dv))
-
-
-def _sum_groups(partials, like):
-    """(..., S, H, D) per-query-head partials -> (..., S, Hkv, D) like `like`: query head
-    h belongs to key/value head h // (H / Hkv)."""
-    *lead, s, heads_kv, d = like.shape
-    grouped = partials.reshape(*lead, s, heads_kv, -1, d).astype(jnp.float32)
-    return grouped.sum(axis=-2).astype(like.dtype)

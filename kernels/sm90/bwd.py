@@ -9,14 +9,17 @@ forward's O and natural-log LSE and the cotangents dO, dLSE:
 Invisible elements (kernels/sm90/mask.py) have P = 0; a row with LSE = -inf has P = 0.
 
 Operands (legend in kernels/README.md): mQ, mO, mdO, mdQ (B, Sq, H, D); mK, mV, mdK,
-mdV (B, Sk, H, D); mLSE, mdLSE (B, H, Sq) fp32. Workspaces, all written here first:
+mdV (B, Sk, Hkv, D), Hkv dividing H (GQA/MQA: query head h reads K/V head
+h // (H / Hkv)); mLSE, mdLSE (B, H, Sq) fp32. Workspaces, all written here first:
 mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
 (B, H, Sq_pad / tile_m * 2) int32, with Sq_pad = Sq rounded up to tile_m.
 
 1. preprocess, one CTA per (query tile, head, batch): LSE2 and Dsum (padding rows get
    LSE2 = +inf, so their P is 0 without masking), zeroes the tile's dQ accumulator
    and semaphores.
-2. main, one CTA per (block of tile_n keys, head, batch). Warpgroup roles:
+2. main, one CTA per (block of tile_n keys, K/V head, batch). It walks the query
+   heads of its K/V head one after the other, so dK and dV sum over the group in
+   registers, in fp32, with no partials in memory. Warpgroup roles:
    0      warp 0 loads K and V once, then per query tile Q + LSE2 and dO + Dsum into
           two q_stages-deep rings (TMA); warps 1 and 2 add consumer 1's and 2's dQ
           partials to the fp32 accumulator with bulk reduce-adds.
@@ -347,7 +350,7 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        bx, head, batch = cute.arch.block_idx()
+        bx, kv_head, batch = cute.arch.block_idx()
         n_blocks, _, _ = cute.arch.grid_dim()
         n_block = bx
         if cutlass.const_expr(self.causal):
@@ -383,6 +386,10 @@ class BwdSm90:
         m_begin, m_end, n_masked = mask.q_block_range(
             n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal
         )
+        # GQA/MQA: this CTA's K/V block serves the query heads [head0, head0 + group),
+        # visited one after the other, so dK and dV sum over the group in registers.
+        group = tma_q.shape[2] // tma_k.shape[2]
+        heads = (kv_head * group, group)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -391,14 +398,14 @@ class BwdSm90:
                     tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k,
                     tma_atom_v, tma_v, tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
                     sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
-                    n_block, head, batch, m_begin, m_end,
+                    n_block, kv_head, heads, batch, m_begin, m_end,
                 )
             # Nested: the DSL only resolves a const_expr that stands alone in its `if`.
             if cutlass.const_expr(self.dq_writers):  # noqa: SIM102
                 if warp >= 1 and warp <= self.consumers:
                     self.dq_writer(
                         storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
-                        n_block, head, batch, m_begin, m_end, tidx % WARP, seqlen_q, seqlen_k,
+                        n_block, heads, batch, m_begin, m_end, tidx % WARP, seqlen_q, seqlen_k,
                     )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -406,7 +413,7 @@ class BwdSm90:
                 tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2, scale,
                 sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full,
                 q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
-                n_block, head, batch, m_begin, m_end, n_masked, seqlen_q, seqlen_k,
+                n_block, kv_head, heads, batch, m_begin, m_end, n_masked, seqlen_q, seqlen_k,
                 mdQaccum, mSem, deterministic,
             )
 
@@ -428,12 +435,11 @@ class BwdSm90:
         tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
         tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
         sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
-        n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
     ):
         d = self.head_dim
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(kv_full, self.kv_bytes)
-        kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
         for atom, src, dst in ((tma_atom_k, tma_k, sK), (tma_atom_v, tma_v, sV)):
             g = cute.local_tile(src[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
             s_part, g_part = cpasync.tma_partition(
@@ -442,17 +448,21 @@ class BwdSm90:
             )
             cute.copy(atom, g_part, s_part, tma_bar_ptr=kv_full)
 
-        tQsQ, tQgQ = self._tile_partition(tma_atom_q, tma_q, sQ, head, batch)
-        tOsO, tOgO = self._tile_partition(tma_atom_do, tma_do, sdO, head, batch)
-        tLsL, tLgL = self._row_partition(tma_atom_lse2, tma_lse2, sLSE2, head, batch)
-        tDsD, tDgD = self._row_partition(tma_atom_dsum, tma_dsum, sDsum, head, batch)
-        for m in cutlass.range(m_begin, m_end, unroll=1):
-            q_producer = self._load_tile(
-                q_producer, tma_atom_q, tQgQ[None, m], tQsQ, tma_atom_lse2, tLgL[None, m], tLsL
-            )
-            do_producer = self._load_tile(
-                do_producer, tma_atom_do, tOgO[None, m], tOsO, tma_atom_dsum, tDgD[None, m], tDsD
-            )
+        head0, group = heads
+        for head in cutlass.range(head0, head0 + group, unroll=1):
+            tQsQ, tQgQ = self._tile_partition(tma_atom_q, tma_q, sQ, head, batch)
+            tOsO, tOgO = self._tile_partition(tma_atom_do, tma_do, sdO, head, batch)
+            tLsL, tLgL = self._row_partition(tma_atom_lse2, tma_lse2, sLSE2, head, batch)
+            tDsD, tDgD = self._row_partition(tma_atom_dsum, tma_dsum, sDsum, head, batch)
+            for m in cutlass.range(m_begin, m_end, unroll=1):
+                q_producer = self._load_tile(
+                    q_producer, tma_atom_q, tQgQ[None, m], tQsQ,
+                    tma_atom_lse2, tLgL[None, m], tLsL,
+                )
+                do_producer = self._load_tile(
+                    do_producer, tma_atom_do, tOgO[None, m], tOsO,
+                    tma_atom_dsum, tDgD[None, m], tDsD,
+                )
 
     def _tile_partition(self, atom, tma_t, ring, head, batch):
         g = cute.local_tile(tma_t[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
@@ -478,37 +488,39 @@ class BwdSm90:
     @cute.jit
     def dq_writer(
         self, sdQ_ptr, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
-        c: Int32, n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        c: Int32, n_block: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         lane: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
         """Reduce-adds consumer c's staged dQ partials into the accumulator. One writer
         warp per consumer, so a deterministic wait for one half never delays the other.
         Lane 0 issues and waits for every bulk copy (bulk groups are per thread)."""
         part = self.tile_m * self.dq_cols
-        acc_row = mdQaccum[batch, head, None]
-        sem_row = mSem[batch, head, None]
         src = sdQ_ptr + c * part
-        for m in cutlass.range(m_begin, m_end, unroll=1):
-            self._dq_barrier(Barrier.DQ_FULL + c).arrive_and_wait()
-            if lane == 0:
-                slot = m * self.consumers + c
-                flag = sem_row.iterator + slot
-                if deterministic != 0:
-                    # the key blocks before this one in the tile's order have all added
-                    mine = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
-                    turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    while turn != mine:
+        head0, group = heads
+        for head in cutlass.range(head0, head0 + group, unroll=1):
+            acc_row = mdQaccum[batch, head, None]
+            sem_row = mSem[batch, head, None]
+            for m in cutlass.range(m_begin, m_end, unroll=1):
+                self._dq_barrier(Barrier.DQ_FULL + c).arrive_and_wait()
+                if lane == 0:
+                    slot = m * self.consumers + c
+                    flag = sem_row.iterator + slot
+                    if deterministic != 0:
+                        # the key blocks before this one in the tile's order have all added
+                        mine = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
                         turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                _bulk_reduce_add_f32(acc_row.iterator + slot * part, src, part * 4)
-                cute.arch.cp_async_bulk_commit_group()
-                if deterministic != 0:
-                    cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not just read
-                    cute.arch.fence_proxy("async.global")
-                    cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
-                else:
-                    cute.arch.cp_async_bulk_wait_group(0, read=True)
-            if m + 1 < m_end:
-                self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
+                        while turn != mine:
+                            turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                    _bulk_reduce_add_f32(acc_row.iterator + slot * part, src, part * 4)
+                    cute.arch.cp_async_bulk_commit_group()
+                    if deterministic != 0:
+                        cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not just read
+                        cute.arch.fence_proxy("async.global")
+                        cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
+                    else:
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if (head0 + group - 1 - head) + (m_end - 1 - m) > 0:  # not the last tile
+                    self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -528,11 +540,12 @@ class BwdSm90:
         tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
         sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
         c: Int32, tidx: Int32, warp: Int32,
-        n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
-        """Consumer c's query-tile loop; the dQ writer warps add its dQ partials."""
+        """Consumer c's loop over the group's query heads and their query tiles; the dQ
+        writer warps add its dQ partials."""
         d, tm = self.head_dim, self.tile_m
         sdQ_ptr = storage.sdQ.data_ptr()
         thr_sdp = self._sdp_mma().get_slice(tidx)
@@ -571,21 +584,23 @@ class BwdSm90:
         key0 = n_block * self.tile_n + c * KEYS_PER_CONSUMER
 
         cute.arch.mbarrier_wait(kv_full, 0)
-        for i in cutlass.range(n_masked, unroll=1):
-            q_consumer, do_consumer = self._step(
-                True, m_begin + i, m_begin, frags, s_shape, coord_s, r_p, r_ds, p_op, ds_op,
-                acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum, scale_log2,
-                q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-            )
-        for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
-            q_consumer, do_consumer = self._step(
-                False, m, m_begin, frags, s_shape, coord_s, r_p, r_ds, p_op, ds_op,
-                acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum, scale_log2,
-                q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-            )
+        head0, group = heads
+        for head in cutlass.range(head0, head0 + group, unroll=1):
+            for i in cutlass.range(n_masked, unroll=1):
+                q_consumer, do_consumer = self._step(
+                    True, m_begin + i, (head - head0) + i, frags, s_shape, coord_s, r_p, r_ds,
+                    p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum,
+                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+                )
+            for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
+                q_consumer, do_consumer = self._step(
+                    False, m, (head - head0) + (m - m_begin), frags, s_shape, coord_s, r_p,
+                    r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum,
+                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+                )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            sK, sV, c, tidx, warp, n_block, head, batch,
+            sK, sV, c, tidx, warp, n_block, kv_head, batch,
         )
 
     @cute.jit
@@ -593,13 +608,15 @@ class BwdSm90:
         self,
         is_masked: cutlass.Constexpr,
         m: Int32,
-        m_begin: Int32,
+        staged_before: Int32,
         frags,
         s_shape, coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c,
         sLSE2, sDsum, scale_log2: Float32, q_consumer, do_consumer,
         c: Int32, tidx: Int32, key0: Int32, seqlen_q: Int32, seqlen_k: Int32,
     ):
-        """One query tile: five GEMMs, P and dS in registers, dQ partial staged."""
+        """One query tile: five GEMMs, P and dS in registers, dQ partial staged.
+        staged_before > 0 when this CTA staged a dQ partial before (the writer must
+        have taken it)."""
         thr_sdp = self._sdp_mma().get_slice(tidx)
         thr_dq = self._dq_mma().get_slice(tidx)
         q_handle = q_consumer.wait_and_advance()
@@ -643,7 +660,7 @@ class BwdSm90:
         do_handle.release()
 
         # Stage the dQ partial for the writer warp, value-major (module docstring).
-        if m > m_begin:
+        if staged_before > 0:
             self._dq_barrier(Barrier.DQ_EMPTY + c).arrive_and_wait()
         for i in cutlass.range_constexpr(self.dq_vals):
             sdQ_c[i, tidx] = acc_dq[i]
@@ -655,7 +672,7 @@ class BwdSm90:
     def epilogue(
         self, acc_dk, acc_dv, dkv_mma, scale: Float32,
         tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, sK, sV,
-        c: Int32, tidx: Int32, warp: Int32, n_block: Int32, head: Int32, batch: Int32,
+        c: Int32, tidx: Int32, warp: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
     ):
         """dK * scale and dV -> this consumer's rows of the K and V buffers -> TMA."""
         d = self.head_dim
@@ -672,7 +689,7 @@ class BwdSm90:
         barrier.arrive_and_wait()
         if warp == WARPGROUP // WARP:  # first consumer warp
             for atom, tma_t, buf in ((tma_atom_dk, tma_dk, sK), (tma_atom_dv, tma_dv, sV)):
-                g = cute.local_tile(tma_t[None, None, head, batch], (self.tile_n, d), (n_block, 0))
+                g = cute.local_tile(tma_t[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
                 s_part, g_part = cpasync.tma_partition(
                     atom, 0, cute.make_layout(1),
                     cute.group_modes(buf[None, None, 0], 0, 2), cute.group_modes(g, 0, 2),

@@ -57,11 +57,12 @@ class BwdSm90SplitD(BwdSm90):
         tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
         sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
         c: Int32, tidx: Int32, warp: Int32,
-        n_block: Int32, head: Int32, batch: Int32, m_begin: Int32, m_end: Int32,
+        n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
-        """Consumer c: its share of S^T / dP^T and half c of the head dims."""
+        """Consumer c: its share of S^T / dP^T and half c of the head dims, over the
+        group's query heads (bwd.py)."""
         tm, tn, dc, stages = self.tile_m, self.tile_n, self.dq_cols, self.q_stages
         thr_sdp = self._sdp_mma().get_slice(tidx)
         dkv_mma = self._dkv_mma()
@@ -93,21 +94,23 @@ class BwdSm90SplitD(BwdSm90):
         key0 = n_block * tn
 
         cute.arch.mbarrier_wait(kv_full, 0)
-        for i in cutlass.range(n_masked, unroll=1):
-            q_consumer, do_consumer = self._split_step(
-                True, m_begin + i, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
-                scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-                n_block, head, batch, mdQaccum, mSem, deterministic,
-            )
-        for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
-            q_consumer, do_consumer = self._split_step(
-                False, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
-                scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-                n_block, head, batch, mdQaccum, mSem, deterministic,
-            )
+        head0, group = heads
+        for head in cutlass.range(head0, head0 + group, unroll=1):
+            for i in cutlass.range(n_masked, unroll=1):
+                q_consumer, do_consumer = self._split_step(
+                    True, m_begin + i, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+                    n_block, head, batch, mdQaccum, mSem, deterministic,
+                )
+            for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
+                q_consumer, do_consumer = self._split_step(
+                    False, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
+                    n_block, head, batch, mdQaccum, mSem, deterministic,
+                )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            sK, sV, c, tidx, warp, n_block, head, batch,
+            sK, sV, c, tidx, warp, n_block, kv_head, batch,
         )
 
     @cute.jit
