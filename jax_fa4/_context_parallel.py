@@ -15,62 +15,111 @@ sequence into and out of that layout).
 
 from __future__ import annotations
 
-
 import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4._api import attention
 from jax_fa4._ring import chunk_pair, hop, merge, unseen
 from jax_fa4._sharding import vary_like
+from jax_fa4._spec import _band
 
 LAYOUTS = ("contiguous", "zigzag")
 
 
-def ring_attention(q, k, v, *, axis_name, causal=False, softmax_scale=None,
-                   layout="contiguous", return_lse=False, implementation=None):
+def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_ids=None,
+                   kv_segment_ids=None, softmax_scale=None, layout="contiguous",
+                   return_lse=False, implementation=None):
     """Attention of sequences sharded along `axis_name`; call inside `shard_map`.
 
     q (B, Sq_local, H, D), k/v (B, Sk_local, Hkv, D): this device's chunks, as laid out by
     `layout` ("contiguous": device r holds the r-th chunk; "zigzag": chunks r and
     2n-1-r, see `zigzag`). Returns this device's out (B, Sq_local, H, D), plus lse
-    (B, H, Sq_local) fp32 when `return_lse`. Causal needs Sq_local == Sk_local (the same
-    positions for queries and keys, as in self-attention); it is aligned to the global
-    sequence. Other arguments are those of `jax_fa4.attention`.
+    (B, H, Sq_local) fp32 when `return_lse`.
+
+    causal and window=(left, right) act on global positions (self-attention: query and
+    key positions coincide, so they need Sq_local == Sk_local): query p sees key p' iff
+    p - left <= p' <= p + right (causal: right = 0). Chunk pairs outside the band are
+    skipped; a pair the band cuts runs only its visible rows and keys.
+    q_segment_ids (B, Sq_local) / kv_segment_ids (B, Sk_local) int32: this device's
+    chunks of the ids (laid out like q and k); the key ids travel with their chunk.
+    Other arguments are those of `jax_fa4.attention`, which runs every chunk pair (the
+    kernel where it takes the pair's mask, else the reference).
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError("causal ring attention needs query and key chunks of the same "
-                         f"length; got q {q.shape} and k {k.shape}")
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"the zigzag layout needs an even local length; got {q.shape[1]}")
+    banded = causal or window is not None
+    if banded and q.shape[1] != k.shape[1]:
+        raise ValueError("causal or windowed ring attention needs query and key chunks of "
+                         f"the same length; got q {q.shape} and k {k.shape}")
+    if (q_segment_ids is None) != (kv_segment_ids is None):
+        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
+    halves = 2 if layout == "zigzag" else 1
+    if q.shape[1] % halves or k.shape[1] % halves:
+        raise ValueError(f"the zigzag layout needs even local lengths; got q {q.shape} "
+                         f"and k {k.shape}")
+    left, right = _global_band(causal, window)
     n = lax.axis_size(axis_name)
     me = lax.axis_index(axis_name)
+    length = q.shape[1] // halves
 
-    def run(chunk_causal, q, k, v):
-        out, lse = attention(q, k, v, causal=chunk_causal, softmax_scale=softmax_scale,
-                             return_lse=True, implementation=implementation)
+    def attend(q, k, v, window, q_seg, kv_seg):
+        out, lse = attention(q, k, v, window=window, alignment="top_left",
+                             softmax_scale=softmax_scale, return_lse=True,
+                             implementation=implementation, q_segment_ids=q_seg,
+                             kv_segment_ids=kv_seg)
         return out.astype(jnp.float32), lse
 
-    def hidden(q, k, v):
+    def run(lo, hi, q, k, v, q_seg, kv_seg):
+        return _banded_pair(lo, hi, attend, q, k, v, q_seg, kv_seg)
+
+    def hidden(q, k, v, q_seg, kv_seg):
         return vary_like((q, k, v), unseen(q, v))
 
-    halves = 2 if layout == "zigzag" else 1
-    q_parts = jnp.split(q, halves, axis=1)
+    def split(x, axis=1):
+        return [None] * halves if x is None else jnp.split(x, halves, axis=axis)
+
+    q_parts, q_seg_parts = split(q), split(q_segment_ids)
     q_chunks = _chunk_ids(me, n, layout)
     acc = [None] * halves
     for step in range(n):
-        if step:  # one hop: device i sends its K/V to device i + 1
-            k, v = hop((k, v), axis_name, n)
+        if step:  # one hop: device i sends its K/V (and their ids) to device i + 1
+            k, v, kv_segment_ids = hop((k, v, kv_segment_ids), axis_name, n)
         kv_chunks = _chunk_ids((me - step) % n, n, layout)
-        for k_part, v_part, c in zip(jnp.split(k, halves, axis=1),
-                                     jnp.split(v, halves, axis=1), kv_chunks):
-            for i, (q_part, a) in enumerate(zip(q_parts, q_chunks)):
-                part = chunk_pair(causal, a, c, run, hidden, q_part, k_part, v_part)
+        for k_part, v_part, kv_seg, c in zip(split(k), split(v), split(kv_segment_ids),
+                                             kv_chunks):
+            for i, (q_part, q_seg, a) in enumerate(zip(q_parts, q_seg_parts, q_chunks)):
+                part = chunk_pair((left, right), length, n * halves, a, c, run, hidden,
+                                  q_part, k_part, v_part, q_seg, kv_seg)
                 acc[i] = part if acc[i] is None else merge(acc[i], part)
     out = jnp.concatenate([o for o, _ in acc], axis=1).astype(q.dtype)
     lse = jnp.concatenate([l for _, l in acc], axis=2)
     return (out, lse) if return_lse else out
+
+
+def _global_band(causal, window):
+    """(left, right) of the band over global positions, validated like `attention`'s."""
+    spec_causal, left, right = _band(causal, window)
+    return left, 0 if spec_causal else right
+
+
+def _banded_pair(lo, hi, attend, q, k, v, q_seg, kv_seg):
+    """attend(q, k, v, window, q_seg, kv_seg) (top-left aligned) over the pairs with
+    lo <= j - i <= hi (static bounds, None: unbounded). A band that misses the diagonal
+    is moved onto it by dropping the keys no query sees (lo > 0) or the queries that
+    see no key (hi < 0), so the window handed on is never negative."""
+    if lo is not None and lo > 0:
+        k, v = k[:, lo:], v[:, lo:]
+        kv_seg = None if kv_seg is None else kv_seg[:, lo:]
+        return attend(q, k, v, (0, None if hi is None else hi - lo), q_seg, kv_seg)
+    if hi is not None and hi < 0:
+        skip = -hi
+        out, lse = attend(q[:, skip:], k, v, (None if lo is None else hi - lo, 0),
+                          None if q_seg is None else q_seg[:, skip:], kv_seg)
+        none_out, none_lse = vary_like((q, k, v), unseen(q[:, :skip], v))
+        return (jnp.concatenate([none_out, out], axis=1),
+                jnp.concatenate([none_lse, lse], axis=2))
+    window = None if (lo, hi) == (None, None) else (None if lo is None else -lo, hi)
+    return attend(q, k, v, window, q_seg, kv_seg)
 
 
 def zigzag(x, n: int, axis: int = 1):

@@ -17,18 +17,27 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-# Relation of a key chunk to a query chunk under causal masking.
-FULL, DIAGONAL, HIDDEN = 0, 1, 2
 
+def chunk_pair(band, length, chunks, q_chunk, kv_chunk, run, nothing, *args):
+    """One query chunk against one key/value chunk, of `length` positions each, out of
+    `chunks` chunks of the sequence: run(lo, hi, *args) where key j of the chunk is
+    visible from query i of the chunk iff lo <= j - i <= hi (None: unbounded side), or
+    nothing(*args) when no pair is visible.
 
-def chunk_pair(causal, q_chunk, kv_chunk, run, nothing, *args):
-    """run(chunk_causal, *args) for a query chunk against a key/value chunk: every key
-    (chunk_causal False), causal within the chunk (the diagonal, True), or nothing(*args)
-    for a chunk wholly in the future. Chunk ids may be traced (lax.switch)."""
-    if not causal:
-        return run(False, *args)
-    which = jnp.where(kv_chunk < q_chunk, FULL, jnp.where(kv_chunk == q_chunk, DIAGONAL, HIDDEN))
-    branches = [functools.partial(run, False), functools.partial(run, True), nothing]
+    band: (left, right) of the global self-attention band, key position - query
+    position in [-left, right] (None: unbounded; causal is right = 0). Chunk ids may be
+    traced: one lax.switch branch per distinct local band, each static."""
+    left, right = band
+    cases, index = {}, []
+    for d in range(1 - chunks, chunks):  # kv_chunk - q_chunk
+        lo = None if left is None or -left - d * length <= 1 - length else -left - d * length
+        hi = None if right is None or right - d * length >= length - 1 else right - d * length
+        hidden = (lo is not None and lo >= length) or (hi is not None and hi <= -length)
+        index.append(cases.setdefault(None if hidden else (lo, hi), len(cases)))
+    branches = [functools.partial(run, *case) if case else nothing for case in cases]
+    if len(branches) == 1:
+        return branches[0](*args)
+    which = jnp.asarray(index, jnp.int32)[kv_chunk - q_chunk + chunks - 1]
     return lax.switch(which, branches, *args)
 
 
@@ -58,8 +67,8 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     hold this device's contiguous chunks of the `axis_name`-sharded sequence;
     attend(spec, q, k, v) -> (out, lse) runs one chunk pair (the kernel call). Returns
     this device's (out, lse), merged over the ring."""
-    def run(causal, q, k, v):
-        out, lse = attend(dataclasses.replace(spec, causal=causal), q, k, v)
+    def run(_, hi, q, k, v):  # causal or not: (lo, hi) is (None, 0) or (None, None)
+        out, lse = attend(dataclasses.replace(spec, causal=hi == 0), q, k, v)
         return out.astype(jnp.float32), lse
 
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
@@ -67,7 +76,7 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     for step in range(n):
         if step:
             k, v = hop((k, v), axis_name, n)
-        part = chunk_pair(spec.causal, me, (me - step) % n, run,
+        part = chunk_pair(_band(spec), q.shape[1], n, me, (me - step) % n, run,
                           lambda q, k, v: unseen(q, v), q, k, v)
         acc = part if acc is None else merge(acc, part)
     out, lse = acc
@@ -78,8 +87,8 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     """The automatic path's backward: differentiate(spec, q, k, v, out, dout, lse, dlse)
     -> (dq, dk, dv) runs the FlashAttention backward of one chunk pair from the global
     out and lse (so P and D are the whole sequence's)."""
-    def run(causal, k, v):
-        grads = differentiate(dataclasses.replace(spec, causal=causal), q, k, v, out, dout,
+    def run(_, hi, k, v):
+        grads = differentiate(dataclasses.replace(spec, causal=hi == 0), q, k, v, out, dout,
                               lse, dlse)
         return tuple(g.astype(jnp.float32) for g in grads)
 
@@ -91,10 +100,15 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     for step in range(n):
         if step:
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
-        parts = chunk_pair(spec.causal, me, (me - step) % n, run, nothing, k, v)
+        parts = chunk_pair(_band(spec), q.shape[1], n, me, (me - step) % n, run, nothing, k, v)
         dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
     dk, dv = hop((dk, dv), axis_name, n)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _band(spec):
+    """The automatic path's band: causal or none (other masks never take the kernels)."""
+    return (None, 0) if spec.causal else (None, None)
 
 
 def hop(values, axis_name, n):

@@ -8,10 +8,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 import jax_fa4
 from jax_fa4 import ring_attention, unzigzag, zigzag
+from jax_fa4._ring import chunk_pair
 
 N = 4
 SEQ = P(None, "seq", None, None)
@@ -94,6 +96,74 @@ def test_ring_gradients_equal_full_attention(mesh, causal, layout):
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
 
 
+def segment_ids(s=48, b=2, seed=1):
+    """Sorted ids: documents packed into each row."""
+    starts = jax.random.randint(jax.random.key(seed), (b, s), 0, 7) == 0
+    return jnp.cumsum(starts, axis=1).astype(jnp.int32)
+
+
+def ring_with(mesh, layout, **kw):
+    """Whole-sequence attention by the ring, with segment ids as arguments."""
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(SEQ,) * 3 + (P(None, "seq"),) * 2,
+                       out_specs=(SEQ, LSE))
+    def sharded(q, k, v, q_seg, kv_seg):
+        return ring_attention(q, k, v, axis_name="seq", layout=layout, return_lse=True,
+                              q_segment_ids=q_seg, kv_segment_ids=kv_seg, **kw)
+
+    def full(q, k, v, seg):
+        if layout == "contiguous":
+            return sharded(q, k, v, seg, seg)
+        out, lse = sharded(*(zigzag(x, N) for x in (q, k, v, seg, seg)))
+        return unzigzag(out, N), unzigzag(lse, N, axis=2)
+
+    return full
+
+
+# Bands that cut chunk pairs every way: inside one chunk, across several, one-sided.
+@pytest.mark.parametrize("causal,window", [
+    (True, (5, None)), (True, (13, None)), (False, (3, 9)), (False, (None, 7)),
+    (False, (20, 0)), (False, (0, None)),
+])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ring_window_and_segments_equal_full_attention(mesh, layout, causal, window):
+    q, k, v, dout = inputs()
+    seg = segment_ids()
+    kw = {"causal": causal, "window": window}
+    ring_fn = ring_with(mesh, layout, **kw)
+
+    def whole(q, k, v, seg):
+        return jax_fa4.attention(q, k, v, return_lse=True, implementation="reference",
+                                 q_segment_ids=seg, kv_segment_ids=seg, **kw)
+
+    out, lse = jax.jit(ring_fn)(q, k, v, seg)
+    want_out, want_lse = whole(q, k, v, seg)
+    np.testing.assert_allclose(out, want_out, rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(lse, want_lse, rtol=2e-5, atol=2e-5)
+
+    def grads(attn):
+        return jax.grad(lambda q, k, v: loss(lambda *a: attn(*a, seg), q, k, v, dout),
+                        argnums=(0, 1, 2))(q, k, v)
+
+    for g, w in zip(jax.jit(lambda: grads(ring_fn))(), grads(whole)):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_chunk_pairs_outside_the_band_are_skipped():
+    # Global band [-5, 0] (causal, window 5) over 4 chunks of 12: query chunk 2 sees the
+    # end of chunk 1 (keys from i + 7 on, in chunk coordinates) and the diagonal of its
+    # own chunk; chunks 0 and 3 are skipped.
+    def run(lo, hi):
+        return jnp.array([-99 if lo is None else lo, 99 if hi is None else hi])
+
+    def nothing():
+        return jnp.array([0, 0])
+
+    got = [chunk_pair((5, 0), 12, 4, 2, c, run, nothing).tolist() for c in range(4)]
+    assert got == [[0, 0], [7, 99], [-5, 0], [0, 0]]
+    # No band: one branch, every pair whole.
+    assert chunk_pair((None, None), 12, 4, 2, 3, run, nothing).tolist() == [-99, 99]
+
+
 def test_ring_kernel_path(built, mesh):
     # bf16 and head_dim 64: each chunk takes the kernel path (the reference on CPU).
     q, k, v, _ = inputs(d=64, dtype=jnp.bfloat16)
@@ -113,6 +183,15 @@ def test_zigzag_round_trip_and_validation(mesh):
     with pytest.raises(ValueError, match="same length"):
         jax.shard_map(functools.partial(ring_attention, axis_name="seq", causal=True),
                       mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q, kv, kv)
+    with pytest.raises(ValueError, match="same length"):
+        jax.shard_map(functools.partial(ring_attention, axis_name="seq", window=(4, 4)),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q, kv, kv)
+    seg = segment_ids()
+    with pytest.raises(ValueError, match="together"):
+        jax.shard_map(lambda q, k, v, s: ring_attention(q, k, v, axis_name="seq",
+                                                        q_segment_ids=s),
+                      mesh=mesh, in_specs=(SEQ,) * 3 + (P(None, "seq"),),
+                      out_specs=SEQ)(q, k, v, seg)
     with pytest.raises(ValueError, match="layout"):
         jax.shard_map(functools.partial(ring_attention, axis_name="seq", layout="spiral"),
                       mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q, k, v)
