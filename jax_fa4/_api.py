@@ -65,7 +65,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
         and raises NotImplementedError with the reason when it cannot run here (the
-        kernels do not support GQA, Dv != D, top_left, window, segment ids, lengths,
+        kernels do not support Dv != D, top_left, window, segment ids, lengths,
         softcap or sinks yet: those calls always run the reference); "reference" forces
         the reference.
 
