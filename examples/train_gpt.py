@@ -2,7 +2,8 @@
 
     python examples/train_gpt.py --preset gpu --attention jax_fa4
     python examples/train_gpt.py --preset gpu --attention cudnn --json curves.jsonl
-    python examples/train_gpt.py --preset gpu --attention jax_fa4 --shard   # all GPUs
+    python examples/train_gpt.py --preset gpu --attention jax_fa4 --shard data  # all GPUs
+    python examples/train_gpt.py --preset gpu --attention jax_fa4 --shard seq   # ring
     python examples/train_gpt.py --preset cpu --attention xla               # < 1 min
 
 The model: token embedding, pre-norm blocks (RMSNorm, causal grouped-query attention
@@ -121,37 +122,28 @@ class GPT(nnx.Module):
         return self.head(self.norm(x)).astype(jnp.float32)
 
 
-def make_attention(name: str, cfg: Config):
+def make_attention(name: str, cfg: Config, operand_sharding=None):
     """-> (attend, description of its path);
-    attend(q (B, S, Hq, D), k (B, S, Hkv, D), v (B, S, Hkv, D)) -> (B, S, Hq, D)."""
+    attend(q (B, S, Hq, D), k (B, S, Hkv, D), v (B, S, Hkv, D)) -> (B, S, Hq, D).
+    operand_sharding: where q, k, v are placed before the call (--shard seq: split
+    along the sequence, so jax_fa4 runs ring attention across the devices)."""
+    def place(*xs):
+        if operand_sharding is None:
+            return xs
+        return tuple(jax.lax.with_sharding_constraint(x, operand_sharding) for x in xs)
+
     if name != "jax_fa4":
-        # jax.nn takes GQA natively: k and v keep their Hkv heads.
-        def attend(q, k, v):
-            return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+        def attend(q, k, v):  # jax.nn takes GQA natively: k, v keep their Hkv heads
+            return jax.nn.dot_product_attention(*place(q, k, v), is_causal=True,
                                                 implementation=name)
         return attend, f"jax.nn.dot_product_attention(implementation={name!r})"
+
+    def attend(q, k, v):
+        return jax_fa4.attention(*place(q, k, v), causal=True)
 
     q, kv = (jax.ShapeDtypeStruct((cfg.batch, cfg.seq, h, cfg.head_dim), jnp.bfloat16)
              for h in (cfg.heads, cfg.kv_heads))
     kernel, reason = jax_fa4.supports(q, kv, kv, causal=True)
-    repeat = False
-    if not kernel and cfg.kv_heads != cfg.heads:
-        # jax_fa4's Hopper kernels do not take GQA yet: repeat the K/V heads up to Hq
-        # when that lets the kernel run. Where it would not run anyway (no Hopper GPU),
-        # keep the Hkv heads: the reference takes GQA natively.
-        repeat, repeated_reason = jax_fa4.supports(q, q, q, causal=True)
-        if not repeat:
-            reason = f"{reason}; with K/V heads repeated: {repeated_reason}"
-    group = cfg.heads // cfg.kv_heads
-
-    def attend(q, k, v):
-        if repeat:
-            k, v = (jnp.repeat(x, group, axis=2) for x in (k, v))
-        return jax_fa4.attention(q, k, v, causal=True)
-
-    if repeat:
-        return attend, (f"jax_fa4.attention -> CuTe-DSL kernel, K/V heads repeated "
-                        f"{cfg.kv_heads} -> {cfg.heads} (with {cfg.kv_heads} K/V heads: {reason})")
     path = "CuTe-DSL kernel" if kernel else f"pure-JAX reference ({reason})"
     return attend, f"jax_fa4.attention -> {path}"
 
@@ -199,9 +191,10 @@ def parse(argv):
         ap.add_argument(f"--{name}", type=kind, help="overrides the preset")
     ap.add_argument("--seed", type=int, default=0, help="initialization and data")
     ap.add_argument("--log-every", type=int, default=10)
-    ap.add_argument("--shard", action="store_true",
-                    help="data parallel over all local devices (batch split, params "
-                         "replicated)")
+    ap.add_argument("--shard", choices=("data", "seq"),
+                    help="over all local devices, params replicated: data splits the "
+                         "batch, seq splits every sequence (jax_fa4 then runs ring "
+                         "attention)")
     ap.add_argument("--json", help="append a JSON record of the run to this file")
     args = ap.parse_args(argv)
     if args.preset is None:
@@ -215,8 +208,10 @@ def parse(argv):
         ap.error("heads must divide width (into an even head_dim); kv-heads must "
                  "divide heads")
     devices = jax.local_devices() if args.shard else jax.local_devices()[:1]
-    if cfg.batch % len(devices):
-        ap.error(f"--shard: batch {cfg.batch} must divide over {len(devices)} devices")
+    if args.shard == "data" and cfg.batch % len(devices):
+        ap.error(f"--shard data: batch {cfg.batch} must divide over {len(devices)} devices")
+    if args.shard == "seq" and cfg.seq % len(devices):
+        ap.error(f"--shard seq: seq {cfg.seq} must divide over {len(devices)} devices")
     if args.attention == "cudnn" and devices[0].platform != "gpu":
         ap.error("--attention cudnn needs a GPU")
     return args, cfg, devices
@@ -226,11 +221,14 @@ def main(argv=None) -> dict:
     """Trains; returns the record that --json appends."""
     args, cfg, devices = parse(argv)
     # A 1-D mesh even for one device: the same code runs sharded or not.
-    mesh = Mesh(np.array(devices), ("data",))
+    mesh = Mesh(np.array(devices), ("devices",))
     replicated = NamedSharding(mesh, PartitionSpec())
-    batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+    by_seq = args.shard == "seq"
+    # Data parallel splits the batch of tokens; sequence parallel the attention operands.
+    batch_sharding = replicated if by_seq else NamedSharding(mesh, PartitionSpec("devices"))
+    seq_sharding = NamedSharding(mesh, PartitionSpec(None, "devices")) if by_seq else None
 
-    attend, path = make_attention(args.attention, cfg)
+    attend, path = make_attention(args.attention, cfg, seq_sharding)
     k_init, k_walk, k_data = jax.random.split(jax.random.key(cfg.seed), 3)
     graphdef, params = nnx.split(GPT(cfg, attend, nnx.Rngs(k_init)), nnx.Param)
     warmup = max(1, cfg.steps // 10)
@@ -267,7 +265,7 @@ def main(argv=None) -> dict:
           f"head_dim={cfg.head_dim} params={n_params / 1e6:.2f}M "
           f"tokens/step={tokens_per_step}")
     print(f"device: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})"
-          f"{', batch sharded' if args.shard else ''}")
+          f"{'' if args.shard is None else f', {args.shard} sharded'}")
     print(f"attention: {args.attention}: {path}")
     print("data: sticky random walk; loss floors {:.3f} (current token only), "
           "{:.3f} (with the token before)".format(*loss_floors()))
@@ -302,7 +300,7 @@ def main(argv=None) -> dict:
           f"mean tokens/s={mean_rate:.0f}")
 
     record = {"attention": args.attention, "path": path, "preset": args.preset,
-              "config": dataclasses.asdict(cfg), "devices": len(devices),
+              "config": dataclasses.asdict(cfg), "shard": args.shard, "devices": len(devices),
               "device": devices[0].device_kind, "steps": [s for s, _ in logged],
               "losses": [x for _, x in logged], "tokens_per_s": rates,
               "mean_tokens_per_s": mean_rate, "final_loss": loss}

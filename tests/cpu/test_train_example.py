@@ -47,3 +47,19 @@ def test_loss_falls(records, attention):
 def test_jax_fa4_matches_xla(records):
     for fa4, xla in zip(records["jax_fa4"]["losses"], records["xla"]["losses"]):
         assert abs(fa4 - xla) < LOSS_TOLERANCE
+
+
+def test_sequence_sharded_training_follows_one_device(train_gpt, records):
+    # 8 CPU devices (tests/conftest.py): 16 positions each, through jax_fa4's ring.
+    record = train_gpt.main([*STEPS, "--attention", "jax_fa4", "--shard", "seq"])
+    assert (record["shard"], record["devices"]) == ("seq", 8)
+    for sharded, single in zip(record["losses"], records["jax_fa4"]["losses"]):
+        assert abs(sharded - single) < LOSS_TOLERANCE
+
+
+def test_data_parallel_training_follows_one_device(train_gpt):
+    runs = [train_gpt.main([*STEPS, "--attention", "jax_fa4", "--batch", "8", *shard])
+            for shard in ([], ["--shard", "data"])]
+    assert runs[1]["devices"] == 8
+    for sharded, single in zip(runs[1]["losses"], runs[0]["losses"]):
+        assert abs(sharded - single) < LOSS_TOLERANCE
