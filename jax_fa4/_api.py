@@ -65,9 +65,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
         and raises NotImplementedError with the reason when it cannot run here (the
-        kernels do not support Dv != D, top_left, window, segment ids, lengths,
-        softcap or sinks yet: those calls always run the reference); "reference" forces
-        the reference.
+        kernels do not support Dv != D, top_left, window, segment ids, lengths or
+        softcap yet: those calls always run the reference; sinks are applied to the
+        kernels' out and lse); "reference" forces the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
     dv (and dsinks). Where the forward runs the kernel, so does the backward kernel
@@ -182,8 +182,28 @@ def _run(spec: AttentionSpec, q, k, v, **arrays):
         # Shapes are static, so empty problems never reach a kernel: no visible key
         # means out = 0 and lse = -inf (empty arrays when B, H or Sq is 0).
         out = jnp.zeros(q.shape, q.dtype)
-        return out, jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
-    return _vjp.attention(spec, q, k, v)
+        lse = jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
+    else:
+        out, lse = _vjp.attention(spec, q, k, v)
+    if spec.has_sinks:
+        out, lse = _add_sinks(out, lse, arrays["sinks"])
+    return out, lse
+
+
+def _add_sinks(out, lse, sinks):
+    """Attention sinks on the kernels' result: one more logit per head, with no value,
+    joins each row's softmax denominator Z, so out scales by Z / (Z + e^sink) =
+    exp(lse - lse') with lse' = logaddexp(lse, sink). Exact, and differentiable through
+    the kernels' backward (its lse cotangent). One fused elementwise pass over out."""
+    sink = sinks.astype(jnp.float32)[:, None]  # (H, 1) against lse (B, H, Sq)
+    lse_sunk = jnp.logaddexp(lse, sink)
+    # A row that sees no key keeps out = 0 (its weight is exp(-inf) = 0); a -inf sink
+    # on such a row would make lse' = -inf, where the weight is defined as 0 too.
+    finite = jnp.isfinite(lse_sunk)
+    weight = jnp.exp(lse - jnp.where(finite, lse_sunk, 0.0))
+    weight = jnp.where(finite, weight, 0.0)
+    scaled = out.astype(jnp.float32) * jnp.swapaxes(weight, -1, -2)[..., None]
+    return scaled.astype(out.dtype), lse_sunk
 
 
 def _check_implementation(implementation) -> None:

@@ -5,6 +5,7 @@ canonical form; and that a call with a feature never lowers to the kernel.
 Inputs are jax.ShapeDtypeStruct (shape and dtype only), as in test_validation.py.
 """
 
+import functools
 import re
 
 import jax
@@ -146,10 +147,11 @@ FEATURES = [
     (Q, KV, KV, dict(kv_lengths=ints(2)), "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(q_lengths=ints(2)), "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(softcap=30.0), "softcap"),
-    (Q, KV, KV, dict(sinks=sds(4, dtype=F32)), "sinks"),
     # The first gap is named; GQA itself is in the kernels.
     (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "window"),
     (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32)), "softcap"),
+    (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128),
+     dict(sinks=sds(4, dtype=F32)), "head_dim_v != head_dim (D=192, Dv=128)"),
 ]
 
 
@@ -192,6 +194,33 @@ def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
     lowered = jax.jit(lambda q: jax_fa4.attention(q, q, q, window=(None, 0))).trace(q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert re.search(r"custom_call @jax_fa4_fwd\(.*causal = true", lowered)
+
+
+def test_sinks_take_the_kernels(hopper):
+    # Sinks are applied to the kernels' out and lse: the forward and backward kernels
+    # run, and on the CPU the same jitted function (reference standing in for the
+    # kernels, then the sinks) equals the reference with sinks, values and gradients.
+    keys = jax.random.split(jax.random.key(3), 5)
+    q, k, v = (jax.random.normal(key, (2, 40, 4, 64), jnp.float32).astype(jnp.bfloat16)
+               for key in keys[:3])
+    sinks = jax.random.normal(keys[3], (4,), jnp.float32)
+    weights = jax.random.normal(keys[4], (2, 40, 4, 64), jnp.float32)
+
+    def loss(implementation, q, k, v, sinks):
+        out, lse = jax_fa4.attention(q, k, v, causal=True, sinks=sinks, return_lse=True,
+                                     implementation=implementation)
+        return jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(jnp.tanh(lse))
+
+    grad = jax.jit(jax.value_and_grad(functools.partial(loss, None), argnums=(0, 1, 2, 3)))
+    lowered = grad.trace(q, k, v, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "jax_fa4_fwd" in lowered and "jax_fa4_bwd" in lowered
+    got = grad(q, k, v, sinks)
+    want = jax.value_and_grad(functools.partial(loss, "reference"), argnums=(0, 1, 2, 3))(
+        q, k, v, sinks)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-3)
+    for name, g, w in zip(("dq", "dk", "dv", "dsinks"), got[1], want[1]):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   rtol=2e-2, atol=2e-2, err_msg=name)
 
 
 # ------------------------------------------------------------------- canonical spec
