@@ -160,12 +160,14 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (p.seqlen_q == 0 || p.seqlen_k == 0)
     return ffi::Error::InvalidArgument(where + ": seqlen_q and seqlen_k must be >= 1 "
                                        "(handled in Python)");
-  // Grids (tiles, heads, batch); the export ABI holds sizes as int32, dq_accum's
-  // extent (Sq_pad * D) included.
-  if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || p.seqlen_k > kInt32Max ||
-      w.dq_accum > kInt32Max)
-    return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535, seqlen_k "
-                                       "< 2^31 and padded seqlen_q * head_dim < 2^31");
+  // Grids (tiles, heads, batch), and (heads, key blocks, batch) for the causal main
+  // kernel with atomic adds; the export ABI holds sizes as int32, dq_accum's extent
+  // (Sq_pad * D) included.
+  const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
+  if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || key_blocks > kMaxGridYZ ||
+      p.seqlen_k > kInt32Max || w.dq_accum > kInt32Max)
+    return ffi::Error::InvalidArgument(where + ": batch, heads and seqlen_k / tile_n must be "
+                                       "<= 65535, and padded seqlen_q * head_dim < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
                    dout.untyped_data(), lse.untyped_data(), dlse.untyped_data(),
                    dq->untyped_data(), dk->untyped_data(), dv->untyped_data(),

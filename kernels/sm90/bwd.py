@@ -288,7 +288,17 @@ class BwdSm90:
         self.q_bytes = cute.size_in_bytes(dt, sQ_one) + row_bytes
         self.kv_bytes = cute.size_in_bytes(dt, sK_one) + cute.size_in_bytes(dt, sV_one)
         self.storage = self._storage(sQ_layout, sK_layout, sV_layout, sdS_layout)
-        grid = (cute.ceil_div(k.shape[0], self.tile_n), k.shape[2], k.shape[3])
+        n_blocks, heads_kv = cute.ceil_div(k.shape[0], self.tile_n), k.shape[2]
+        grid = (n_blocks, heads_kv, k.shape[3])
+        if cutlass.const_expr(self.causal):
+            # Key block 0 has the most query tiles. With atomic adds the K/V heads vary
+            # fastest, so the longest CTAs of every head launch first (with GQA a CTA
+            # walks its whole group: few, long CTAs). Deterministic adds keep key blocks
+            # fastest (_block_coords): each tile's adders must be in flight together.
+            # deterministic is 0 or 1 (the FFI passes a bool): pick by arithmetic, as
+            # launch dimensions must be integers.
+            swap = (n_blocks - heads_kv) * deterministic
+            grid = (heads_kv + swap, n_blocks - swap, k.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
@@ -350,14 +360,7 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        bx, kv_head, batch = cute.arch.block_idx()
-        n_blocks, _, _ = cute.arch.grid_dim()
-        n_block = bx
-        if cutlass.const_expr(self.causal):
-            # Deterministic causal adds run from the last key block down (mask.dq_turn):
-            # launch in that order, so every block a CTA waits for has started.
-            if deterministic != 0:
-                n_block = n_blocks - 1 - bx
+        n_block, kv_head, batch = self._block_coords(deterministic)
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -526,9 +529,24 @@ class BwdSm90:
 
     @cute.jit
     def _dq_turn(self, n_block: Int32, m: Int32, seqlen_q: Int32, seqlen_k: Int32):
-        n_blocks, _, _ = cute.arch.grid_dim()
+        n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
         return mask.dq_turn(n_block, m, n_blocks, seqlen_q, seqlen_k, self.tile_m,
                             self.tile_n, self.causal)
+
+    @cute.jit
+    def _block_coords(self, deterministic: Int32):
+        """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
+        x, y, z = cute.arch.block_idx()
+        n_block, kv_head = x, y
+        if cutlass.const_expr(self.causal):
+            if deterministic != 0:
+                # Causal adds run from the last key block down (mask.dq_turn): launch
+                # in that order, so every block a CTA waits for has started.
+                n_blocks, _, _ = cute.arch.grid_dim()
+                n_block = n_blocks - 1 - x
+            else:
+                n_block, kv_head = y, x
+        return n_block, kv_head, z
 
     def _dq_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)
