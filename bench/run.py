@@ -3,6 +3,7 @@
     python -m bench.run                                   # the standard table
     python -m bench.run --hdims 128 --seqlens 8192 --backends jax_fa4,jax_cudnn
     python -m bench.run --passes fwd,bwd,bwd_det          # forward and both backwards
+    python -m bench.run --hdims 128 --heads 32 --heads-kv 8   # GQA 32 / 8
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -43,11 +44,14 @@ def load_anchors():
     return table
 
 
-def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None):
-    """{"ms", "tflops"} of one pass. The backward is timed as a whole vjp (which re-runs
-    the forward) minus `fwd_ms`, the convention of the anchors."""
+def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
+            h_kv=None):
+    """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads; default h). The
+    backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
+    convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
-    q, k, v, dout = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys)
+    q, dout = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys[:2])
+    k, v = (jax.random.normal(key, (b, s, h_kv or h, d), dtype) for key in keys[2:])
     options = {"deterministic": True} if mode == "bwd_det" else {}
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
@@ -66,6 +70,9 @@ def main():
     ap.add_argument("--hdims", default="64,128,256")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true", help="comma-separated false, true")
+    ap.add_argument("--heads", type=int, help="query heads; default 2048 / head_dim")
+    ap.add_argument("--heads-kv", type=int,
+                    help="key/value heads (GQA / MQA when fewer than --heads); default all")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--passes", default="fwd",
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
@@ -88,7 +95,8 @@ def main():
     if not set(masks) <= {"false", "true"}:
         ap.error(f"--causal takes false, true; got {args.causal!r}")
     dtype = getattr(jnp, args.dtype)
-    anchors = load_anchors()
+    # The anchors are for the standard shapes only (all heads, 2048 / head_dim of them).
+    anchors = {} if args.heads or args.heads_kv else load_anchors()
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
     print(f"# {device}, jax {jax.__version__}, {args.dtype}, timing: {method}")
@@ -101,7 +109,10 @@ def main():
         for d in (int(x) for x in args.hdims.split(",")):
             for causal in (c == "true" for c in masks):
                 for s in (int(x) for x in args.seqlens.split(",")):
-                    b, h = max(1, TOKENS // s), HIDDEN // d
+                    b, h = max(1, TOKENS // s), args.heads or HIDDEN // d
+                    h_kv = args.heads_kv or h
+                    if h % h_kv:
+                        ap.error(f"--heads-kv {h_kv} must divide the {h} query heads")
                     fwd, rows = {}, {}
                     for mode in passes:
                         row = rows[mode] = {}
@@ -109,12 +120,13 @@ def main():
                             if mode == "bwd_det" and be not in DETERMINISTIC:
                                 continue
                             rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d,
-                                       causal=causal, mode=mode, timing=method, device=device)
+                                       causal=causal, mode=mode, timing=method, device=device,
+                                       **({"h_kv": h_kv} if h_kv != h else {}))
                             try:
                                 if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
-                                                   args.iterations, mode, fwd.get(be)))
+                                                   args.iterations, mode, fwd.get(be), h_kv))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]
