@@ -128,9 +128,20 @@ def normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
+def problem(seed, dtype, batch, sq, sk, heads, heads_kv, head_dim):
+    """q (B, Sq, H, D), k and v (B, Sk, Hkv, D), dout like q, in dtype; dlse (B, H, Sq)
+    float32: one draw per integer seed."""
+    kq, kk, kv, kdo, kdl = jax.random.split(jax.random.key(seed), 5)
+    q = normal(kq, (batch, sq, heads, head_dim), dtype)
+    k, v = (normal(key, (batch, sk, heads_kv, head_dim), dtype) for key in (kk, kv))
+    return (q, k, v, normal(kdo, q.shape, dtype),
+            jax.random.normal(kdl, (batch, heads, sq), jnp.float32))
+
+
 @pytest.fixture(scope="session")
 def fa():
     return types.SimpleNamespace(RTOL=RTOL, references=references, assert_rule=assert_rule,
                                  assert_attention=assert_attention, normal=normal,
+                                 problem=problem,
                                  backward_references=backward_references,
                                  assert_gradients=assert_gradients)

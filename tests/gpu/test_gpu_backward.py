@@ -78,12 +78,7 @@ def _group(fa, dtype, head_dim, causal, sq, sk):
     if key not in _GROUP:
         _GROUP.clear()
         seed = zlib.crc32(repr(("bwd", *key)).encode())
-        kq, kk, kv, kdo, kdl = jax.random.split(jax.random.key(seed), 5)
-        q = fa.normal(kq, (BATCH, sq, HEADS, head_dim), dtype)
-        k = fa.normal(kk, (BATCH, sk, HEADS, head_dim), dtype)
-        v = fa.normal(kv, (BATCH, sk, HEADS, head_dim), dtype)
-        dout = fa.normal(kdo, q.shape, dtype)
-        dlse = jax.random.normal(kdl, (BATCH, HEADS, sq), jnp.float32)
+        q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, HEADS, HEADS, head_dim)
         _GROUP[key] = ((q, k, v, dout, dlse),
                        fa.backward_references(q, k, v, dout, dlse, causal=causal))
     return _GROUP[key]

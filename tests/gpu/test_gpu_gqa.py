@@ -7,7 +7,6 @@ import itertools
 import zlib
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 import jax_fa4
@@ -44,12 +43,7 @@ def _cute_vjp(q, k, v, dout, dlse, causal, deterministic):
 @pytest.mark.parametrize("dtype,head_dim,causal,sq,sk,hq,hkv", CASES)
 def test_gqa_matches_reference(fa, dtype, head_dim, causal, sq, sk, hq, hkv):
     seed = zlib.crc32(repr(("gqa", dtype, head_dim, causal, sq, sk, hq, hkv)).encode())
-    kq, kk, kv, kdo, kdl = jax.random.split(jax.random.key(seed), 5)
-    q = fa.normal(kq, (BATCH, sq, hq, head_dim), dtype)
-    k = fa.normal(kk, (BATCH, sk, hkv, head_dim), dtype)
-    v = fa.normal(kv, (BATCH, sk, hkv, head_dim), dtype)
-    dout = fa.normal(kdo, q.shape, dtype)
-    dlse = jax.random.normal(kdl, (BATCH, hq, sq), jnp.float32)
+    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, hq, hkv, head_dim)
     for deterministic in (False, True):
         out, lse, grads = _cute_vjp(q, k, v, dout, dlse, causal=causal,
                                     deterministic=deterministic)

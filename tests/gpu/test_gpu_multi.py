@@ -32,13 +32,7 @@ def gpus():
 
 
 def _inputs(fa, b, s, hq, hkv, d, seed=0):
-    keys = jax.random.split(jax.random.key(seed), 5)
-    q = fa.normal(keys[0], (b, s, hq, d), jnp.bfloat16)
-    k = fa.normal(keys[1], (b, s, hkv, d), jnp.bfloat16)
-    v = fa.normal(keys[2], (b, s, hkv, d), jnp.bfloat16)
-    dout = fa.normal(keys[3], q.shape, jnp.bfloat16)
-    dlse = jax.random.normal(keys[4], (b, hq, s), jnp.float32)
-    return q, k, v, dout, dlse
+    return fa.problem(seed, jnp.bfloat16, b, s, s, hq, hkv, d)
 
 
 def _vjp(causal, deterministic=True):
