@@ -6,10 +6,16 @@ backward = 2.5 * forward
 """
 
 
-def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
-    """Pairs (i, j) with j < Sk, and j <= i + Sk - Sq when causal (bottom-right).
+def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_left=None) -> int:
+    """Pairs (i, j) with j < Sk, and j <= i + Sk - Sq when causal (bottom-right), and
+    j >= i + Sk - Sq - window_left with a (causal) sliding window.
 
-    Square causal counts S * S / 2, the papers' convention, not S * (S + 1) / 2."""
+    Square causal counts S * S / 2, the papers' convention, not S * (S + 1) / 2; a
+    window counts its pairs exactly."""
+    if window_left is not None:
+        offset = seqlen_k - seqlen_q
+        return sum(max(0, min(seqlen_k, i + offset + 1) - max(0, i + offset - window_left))
+                   for i in range(seqlen_q))
     if not causal:
         return seqlen_q * seqlen_k
     if seqlen_q == seqlen_k:
@@ -18,6 +24,6 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool) -> int:
     return sum(min(seqlen_k, max(0, i + offset + 1)) for i in range(seqlen_q))
 
 
-def attention_flops(b, h, seqlen_q, seqlen_k, d, causal, mode, dv=None):
-    fwd = 2 * b * h * visible_pairs(seqlen_q, seqlen_k, causal) * (d + (dv or d))
+def attention_flops(b, h, seqlen_q, seqlen_k, d, causal, mode, dv=None, window_left=None):
+    fwd = 2 * b * h * visible_pairs(seqlen_q, seqlen_k, causal, window_left) * (d + (dv or d))
     return fwd * (2.5 if mode == "bwd" else 1.0)

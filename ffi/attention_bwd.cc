@@ -8,8 +8,9 @@
 // and the kernel initializes (never allocated or cleared here):
 //   lse2, dsum (..., H, Sq_pad) fp32; dq_accum (..., H, Sq_pad * D) fp32;
 //   sem (..., H, Sq_pad / tile_m * consumers) int32; Sq_pad = Sq rounded up to tile_m.
-// Attributes: causal (bool), softmax_scale (f32), deterministic (bool: dq accumulated
-// in a fixed order, bitwise reproducible; otherwise with atomic adds).
+// Attributes: causal (bool: the banded kernel), softmax_scale (f32), deterministic
+// (bool: dq accumulated in a fixed order, bitwise reproducible; otherwise with atomic
+// adds), window_left / window_right / top_left (the band, as for jax_fa4_fwd).
 //
 // Stages, as for jax_fa4_fwd: INITIALIZE checks the device and loads the selected
 // kernel's module (once per process, outside any CUDA-graph capture); EXECUTE only
@@ -119,7 +120,9 @@ std::string ResultMismatch(const char* name, const ffi::AnyBuffer& result, ffi::
 ffi::Error BwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                          ffi::AnyBuffer dlse, ffi::RemainingRets /*dq, ..., sem*/, bool causal,
-                         float /*softmax_scale*/, bool /*deterministic*/) {
+                         float /*softmax_scale*/, bool /*deterministic*/,
+                         int32_t /*window_left*/, int32_t /*window_right*/,
+                         bool /*top_left*/) {
   auto problem = Select({q, k, v, out, dout, lse, dlse}, causal);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_bwd", *problem->kernel, device);
@@ -131,7 +134,8 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> lse2, ffi::Result<ffi::AnyBuffer> dsum,
                       ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> sem,
-                      bool causal, float softmax_scale, bool deterministic) {
+                      bool causal, float softmax_scale, bool deterministic,
+                      int32_t window_left, int32_t window_right, bool top_left) {
   const BwdOperands operands{q, k, v, out, dout, lse, dlse};
   auto problem = Select(operands, causal);
   if (problem.has_error()) return problem.error();
@@ -178,6 +182,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
     return ffi::Error::Internal(where + ": module not loaded (initialize stage did not run)");
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
 
+  const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   BwdArgs args{const_cast<void*>(q.untyped_data()),
                const_cast<void*>(k.untyped_data()),
                const_cast<void*>(v.untyped_data()),
@@ -202,7 +207,9 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(w.sem),
                softmax_scale * kLog2e,
                softmax_scale,
-               deterministic ? 1 : 0};
+               deterministic ? 1 : 0,
+               band.lo,
+               band.hi};
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
@@ -222,7 +229,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdInitialize, jax_fa4::BwdInitialize,
                                   .RemainingRets()            // dq, ..., sem: not touched
                                   .Attr<bool>("causal")       // selects the kernel
                                   .Attr<float>("softmax_scale")  // unused here
-                                  .Attr<bool>("deterministic"));  // unused here
+                                  .Attr<bool>("deterministic")    // unused here
+                                  .Attr<int32_t>("window_left")   // unused here
+                                  .Attr<int32_t>("window_right")  // unused here
+                                  .Attr<bool>("top_left"));       // unused here
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                               ffi::Ffi::Bind()
@@ -244,5 +254,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                                   .Ret<ffi::AnyBuffer>()      // sem (..., H, n) s32
                                   .Attr<bool>("causal")
                                   .Attr<float>("softmax_scale")
-                                  .Attr<bool>("deterministic"),
+                                  .Attr<bool>("deterministic")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<bool>("top_left"),
                               {ffi::Traits::kCmdBufferCompatible});

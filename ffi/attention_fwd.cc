@@ -2,7 +2,9 @@
 //
 // Operands q (..., Sq, H, D), k and v (..., Sk, H, D): bf16 or fp16, row-major; every
 // leading dimension is folded into the batch (so vmap can add axes). Results: out like
-// q, lse (..., H, Sq) fp32. Attributes: causal (bool), softmax_scale (f32).
+// q, lse (..., H, Sq) fp32. Attributes: causal (bool: the banded kernel),
+// softmax_scale (f32), window_left / window_right (i32, < 0: unbounded; causal is a
+// right side of 0), top_left (bool: the band's alignment; else bottom-right).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module (once per
 // process, outside any CUDA-graph capture); EXECUTE only launches on XLA's stream, so
@@ -70,7 +72,8 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::RemainingRets /*out, lse*/, bool causal, float /*softmax_scale*/) {
+                         ffi::RemainingRets /*out, lse*/, bool causal, float /*softmax_scale*/,
+                         int32_t /*window_left*/, int32_t /*window_right*/, bool /*top_left*/) {
   auto problem = Select(q, k, v, causal);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
@@ -78,7 +81,8 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> lse, bool causal, float softmax_scale) {
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse, bool causal, float softmax_scale,
+                      int32_t window_left, int32_t window_right, bool top_left) {
   auto problem = Select(q, k, v, causal);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
@@ -105,6 +109,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
 
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
 
+  const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   FwdArgs args{const_cast<void*>(q.untyped_data()),
                const_cast<void*>(k.untyped_data()),
                const_cast<void*>(v.untyped_data()),
@@ -115,7 +120,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(p.seqlen_k),
                static_cast<int32_t>(p.heads),
                static_cast<int32_t>(p.heads_kv),
-               softmax_scale * kLog2e};
+               softmax_scale * kLog2e,
+               band.lo,
+               band.hi};
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
@@ -130,7 +137,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Arg<ffi::AnyBuffer>()          // v
                                   .RemainingRets()                // out, lse: not touched
                                   .Attr<bool>("causal")           // selects the kernel
-                                  .Attr<float>("softmax_scale"));  // unused here
+                                  .Attr<float>("softmax_scale")   // unused here
+                                  .Attr<int32_t>("window_left")   // unused here
+                                  .Attr<int32_t>("window_right")  // unused here
+                                  .Attr<bool>("top_left"));       // unused here
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -142,5 +152,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
                                   .Attr<bool>("causal")
-                                  .Attr<float>("softmax_scale"),
+                                  .Attr<float>("softmax_scale")
+                                  .Attr<int32_t>("window_left")
+                                  .Attr<int32_t>("window_right")
+                                  .Attr<bool>("top_left"),
                               {ffi::Traits::kCmdBufferCompatible});

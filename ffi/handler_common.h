@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
@@ -23,6 +24,24 @@ constexpr int kMaxGridYZ = 65535;  // grids are (tiles, heads, batch)
 constexpr int kHopperMajor = 9;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr float kLog2e = 1.4426950408889634f;
+
+// The band lo <= j - i <= hi of the banded kernels (kernels/sm90/mask.py): the
+// alignment offset (bottom-right Sk - Sq, top-left 0) minus the window's left side and
+// plus its right side, a side < 0 being unbounded; clamped to +-kBandLimit, beyond any
+// j - i of sequences a GPU holds (mask.BAND_LIMIT).
+constexpr int64_t kBandLimit = int64_t{1} << 30;
+struct Band {
+  int32_t lo, hi;
+};
+inline Band MakeBand(int64_t seqlen_q, int64_t seqlen_k, int64_t left, int64_t right,
+                     bool top_left) {
+  const int64_t offset = top_left ? 0 : seqlen_k - seqlen_q;
+  auto clamp = [](int64_t x) {
+    return static_cast<int32_t>(std::clamp(x, -kBandLimit, kBandLimit));
+  };
+  return {left < 0 ? clamp(-kBandLimit) : clamp(offset - left),
+          right < 0 ? clamp(kBandLimit) : clamp(offset + right)};
+}
 
 // GQA/MQA: every group of heads / heads_kv query heads shares one key/value head.
 inline bool GroupsHeads(int64_t heads, int64_t heads_kv) {

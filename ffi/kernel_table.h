@@ -29,6 +29,8 @@ struct FwdArgs {
   int32_t heads;
   int32_t heads_kv;  // divides heads
   float scale_log2;  // softmax_scale * log2(e)
+  int32_t band_lo;   // banded kernels: key j visible from row i iff band_lo <= j - i
+  int32_t band_hi;   // ... <= band_hi (handler_common.h MakeBand); others ignore both
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
@@ -62,6 +64,8 @@ struct BwdArgs {
   float scale_log2;      // softmax_scale * log2(e)
   float scale;           // softmax_scale
   int32_t deterministic;  // 1: dq accumulated in a fixed order (bitwise reproducible)
+  int32_t band_lo;        // as in FwdArgs
+  int32_t band_hi;
 };
 
 // One exported kernel: its configuration (kernels/config.py) and entry points.

@@ -65,7 +65,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
         and raises NotImplementedError with the reason when it cannot run here (the
-        kernels do not support Dv != D, top_left, window, segment ids, lengths or
+        kernels do not support Dv != D, segment ids, lengths or
         softcap yet: those calls always run the reference; sinks are applied to the
         kernels' out and lse); "reference" forces the reference.
 

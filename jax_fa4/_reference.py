@@ -102,7 +102,8 @@ def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, s
 
 
 def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_scale: float,
-                       compute_dtype=jnp.float32):
+                       compute_dtype=jnp.float32, alignment: str = "bottom_right",
+                       window=None):
     """The FlashAttention backward from the forward's out and lse: the contract of the
     backward kernels, the backward of configurations without one, and the oracle of their
     tests.
@@ -110,9 +111,9 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
     With S = Q K^T, P = exp(scale * S - lse), dP = dO V^T, D = rowsum(dO * O) - dlse and
     dS = P * (dP - D):  dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO.
     q, out, dout (..., Sq, H, D); k, v (..., Sk, Hkv, D) with Hkv dividing H (GQA/MQA:
-    dk, dv sum over each group of query heads); lse, dlse (..., H, Sq). Causal is
-    bottom-right aligned; rows with lse = -inf (no visible key) contribute nothing;
-    dq, dk, dv come back in the dtypes of q, k, v.
+    dk, dv sum over each group of query heads); lse, dlse (..., H, Sq). Causal and window
+    use `alignment` as in `reference_attention`; rows with lse = -inf (no visible key)
+    contribute nothing; dq, dk, dv come back in the dtypes of q, k, v.
 
     `compute_dtype` float32 is the reference. The input dtype gives the numerics rule's
     low-precision baseline for the backward kernels (KERNELS.md): the same algorithm with
@@ -147,8 +148,8 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
     lse, dlse = rows(lse), rows(dlse)
     s = mm(f"...qh{g}d,...khd->...h{g}qk", q_, f32(k)) * scale
     seen = jnp.isfinite(lse)[..., None]
-    mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment="bottom_right",
-                         window=None).mask
+    mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment=alignment,
+                         window=window).mask
     visible = seen if mask is None else seen & mask
     p = rnd(jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0))
     dp = mm(f"...qh{g}d,...khd->...h{g}qk", dout_, f32(v))

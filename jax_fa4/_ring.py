@@ -107,7 +107,8 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
 
 
 def _band(spec):
-    """The automatic path's band: causal or none (other masks never take the kernels)."""
+    """The automatic path's band: causal or none (_sharding refuses windows over a
+    sharded sequence)."""
     return (None, 0) if spec.causal else (None, None)
 
 

@@ -133,9 +133,10 @@ def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
 def _axes(signature: Signature, spec, mesh, arg_shapes):
     """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
-    refused: a sharded head_dim, a sequence sharded differently from q's, causal rings
-    over query and key sequences of different lengths, and a head sharding that does
-    not split the key/value heads (the second operand) into whole groups."""
+    refused: a sharded head_dim, a sequence sharded differently from q's, windows and
+    causal rings over query and key sequences of different lengths over a sharded
+    sequence, and a head sharding that does not split the key/value heads (the second
+    operand) into whole groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
@@ -152,6 +153,11 @@ def _axes(signature: Signature, spec, mesh, arg_shapes):
                 f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
+    if seq is not None and spec.window != (None, None):
+        raise NotImplementedError(
+            f"jax_fa4.attention: a window over a sequence sharded along {seq!r} is not "
+            "partitioned automatically; call jax_fa4.ring_attention(..., window=...) inside "
+            "jax.shard_map, which skips the chunk pairs outside the window.")
     if seq is not None and spec.causal and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
         raise NotImplementedError(
             "jax_fa4.attention: causal attention over a sharded sequence needs queries and "

@@ -143,6 +143,12 @@ class AttentionSpec:
         return dataclasses.replace(self, path=path)
 
     @property
+    def banded(self) -> bool:
+        """Whether a band limits the keys a query sees (causal or a window): the kernel
+        variant with a runtime band (kernels/sm90/mask.py)."""
+        return self.causal or self.window != (None, None)
+
+    @property
     def window(self) -> tuple[int | None, int | None]:
         """(left, right) of the band beyond causal, the form the reference takes."""
         return self.window_left, self.window_right
@@ -172,7 +178,7 @@ class AttentionSpec:
     def _find_kernel(self, kind: str) -> dict | None:
         if self.kernel_dtype is None:
             return None
-        return _registry.find_kernel(kind, self.kernel_dtype, self.head_dim, self.causal)
+        return _registry.find_kernel(kind, self.kernel_dtype, self.head_dim, self.banded)
 
     def feature_reason(self) -> str:
         """Why the kernels cannot take this spec's features; "" when they can."""
@@ -180,8 +186,6 @@ class AttentionSpec:
             (self.varlen, "varlen (cu_seqlens)"),
             (self.head_dim_v != self.head_dim,
              f"head_dim_v != head_dim (D={self.head_dim}, Dv={self.head_dim_v})"),
-            (self.alignment != "bottom_right", "top_left alignment"),
-            (self.window != (None, None), "window"),
             (self.has_segment_ids, "segment ids"),
             (self.has_q_lengths or self.has_kv_lengths, "q_lengths / kv_lengths"),
             (self.softcap is not None, "softcap"),
@@ -211,13 +215,23 @@ class AttentionSpec:
                             if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)})
             return False, (
                 f"no compiled kernel for dtype={self.kernel_dtype} head_dim={self.head_dim} "
-                f"causal={self.causal}; head_dims built for {self.kernel_dtype}: {built}"
+                f"mask={'causal/window' if self.banded else 'none'}; head_dims built for "
+                f"{self.kernel_dtype}: {built}"
             )
         return True, ""
 
     def ffi_attributes(self) -> dict:
-        """Attributes of the `jax_fa4_fwd` custom call: causal -> i1, softmax_scale -> f32."""
-        return {"causal": self.causal, "softmax_scale": np.float32(self.softmax_scale)}
+        """Attributes of the `jax_fa4_fwd` custom call: causal (the banded kernel) -> i1,
+        softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
+        unbounded; causal is a right side of 0) and top_left -> i1 (ffi/handler_common.h
+        MakeBand)."""
+        def side(value):  # < 2^31 (_band); MakeBand clamps the band to +-2^30
+            return np.int32(-1 if value is None else value)
+
+        return {"causal": self.banded, "softmax_scale": np.float32(self.softmax_scale),
+                "window_left": side(self.window_left),
+                "window_right": side(0 if self.causal else self.window_right),
+                "top_left": self.alignment == "top_left"}
 
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's and deterministic -> i1."""
@@ -292,8 +306,10 @@ def _band(causal: bool, window) -> tuple[bool, int | None, int | None]:
     if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(
             f"window must be a (left, right) pair of non-negative ints or None; got {window!r}")
-    left = _static_int("window left side", window[0], allow_none=True)
-    right = _static_int("window right side", window[1], allow_none=True)
+    # A side at least 2^31 reaches past any sequence (sizes are int32): unbounded.
+    left, right = (None if side is not None and side >= 1 << 31 else side
+                   for side in (_static_int("window left side", window[0], allow_none=True),
+                                _static_int("window right side", window[1], allow_none=True)))
     if causal and right:
         raise ValueError(
             f"causal=True means a window right side of 0; got window={tuple(window)} "

@@ -87,8 +87,9 @@ TENSORS = {
 }
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
 SCALARS = {
-    "fwd": (("float", "scale_log2"),),
-    "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic")),
+    "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi")),
+    "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic"),
+            ("int32_t", "band_lo"), ("int32_t", "band_hi")),
 }
 STRUCT = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
 
@@ -136,13 +137,13 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     t0 = time.time()
     if cfg.kind == "fwd":
-        kernel, scalars = FwdSm90(cfg), (Float32(1.0),)
+        kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0))
     else:
         from kernels.sm90.bwd import BwdSm90
         from kernels.sm90.bwd_split import BwdSm90SplitD
 
         kind = BwdSm90SplitD if cfg.tile.split_head_dim else BwdSm90
-        kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0))
+        kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(0))
     params = TENSORS[cfg.kind]
     # One runtime size per name: batch, heads and each extent of `params`. The backward's
     # workspace extents are whole query tiles (WorkspaceExtents in ffi/kernel_table.cc):

@@ -126,6 +126,8 @@ class BwdSm90:
         scale_log2: Float32,
         scale: Float32,
         deterministic: Int32,
+        band_lo: Int32,
+        band_hi: Int32,
         stream: cuda.CUstream,
     ):
         batch, seqlen_q, heads, _ = mQ.shape
@@ -135,7 +137,7 @@ class BwdSm90:
         )
         self._launch_main(
             mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
-            scale_log2, scale, deterministic, stream,
+            scale_log2, scale, deterministic, band_lo, band_hi, stream,
         )
         self.postprocess(mdQaccum, mdQ, scale).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
@@ -241,7 +243,7 @@ class BwdSm90:
     @cute.jit
     def _launch_main(
         self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
-        scale_log2, scale, deterministic, stream,
+        scale_log2, scale, deterministic, band_lo, band_hi, stream,
     ):
         dt, d = self.dtype, self.head_dim
         q, k, v, do = _seq_major(mQ), _seq_major(mK), _seq_major(mV), _seq_major(mdO)
@@ -303,7 +305,7 @@ class BwdSm90:
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
             tma_atom_dv, tma_dv, mdQaccum, mSem, scale_log2, scale, deterministic,
-            sQ_layout, sK_layout, sV_layout, sdS_layout,
+            band_lo, band_hi, sQ_layout, sK_layout, sV_layout, sdS_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _storage(self, sQ_layout, sK_layout, sV_layout, sdS_layout):
@@ -352,6 +354,8 @@ class BwdSm90:
         scale_log2: Float32,
         scale: Float32,
         deterministic: Int32,
+        band_lo: Int32,
+        band_hi: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -386,8 +390,9 @@ class BwdSm90:
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
-        m_begin, m_end, n_masked = mask.q_block_range(
-            n_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal
+        m_begin, m_end, masked_front, masked_back = mask.q_block_range(
+            n_block, seqlen_q, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n,
+            self.causal,
         )
         # GQA/MQA: this CTA's K/V block serves the query heads [head0, head0 + group),
         # visited one after the other, so dK and dV sum over the group in registers.
@@ -408,7 +413,7 @@ class BwdSm90:
                 if warp >= 1 and warp <= self.consumers:
                     self.dq_writer(
                         storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
-                        n_block, heads, batch, m_begin, m_end, tidx % WARP, seqlen_q, seqlen_k,
+                        n_block, heads, batch, m_begin, m_end, tidx % WARP, band_hi,
                     )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -416,8 +421,8 @@ class BwdSm90:
                 tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2, scale,
                 sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full,
                 q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
-                n_block, kv_head, heads, batch, m_begin, m_end, n_masked, seqlen_q, seqlen_k,
-                mdQaccum, mSem, deterministic,
+                n_block, kv_head, heads, batch, m_begin, m_end, masked_front, masked_back,
+                seqlen_k, band_lo, band_hi, mdQaccum, mSem, deterministic,
             )
 
     def _ring(self, barriers):
@@ -492,7 +497,7 @@ class BwdSm90:
     def dq_writer(
         self, sdQ_ptr, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
         c: Int32, n_block: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        lane: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        lane: Int32, band_hi: Int32,
     ):
         """Reduce-adds consumer c's staged dQ partials into the accumulator. One writer
         warp per consumer, so a deterministic wait for one half never delays the other.
@@ -510,7 +515,7 @@ class BwdSm90:
                     flag = sem_row.iterator + slot
                     if deterministic != 0:
                         # the key blocks before this one in the tile's order have all added
-                        mine = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
+                        mine = self._dq_turn(n_block, m, band_hi)
                         turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                         while turn != mine:
                             turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
@@ -528,10 +533,10 @@ class BwdSm90:
             cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def _dq_turn(self, n_block: Int32, m: Int32, seqlen_q: Int32, seqlen_k: Int32):
+    def _dq_turn(self, n_block: Int32, m: Int32, band_hi: Int32):
         n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
-        return mask.dq_turn(n_block, m, n_blocks, seqlen_q, seqlen_k, self.tile_m,
-                            self.tile_n, self.causal)
+        return mask.dq_turn(n_block, m, n_blocks, band_hi, self.tile_m, self.tile_n,
+                            self.causal)
 
     @cute.jit
     def _block_coords(self, deterministic: Int32):
@@ -559,7 +564,8 @@ class BwdSm90:
         sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
         c: Int32, tidx: Int32, warp: Int32,
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        masked_front: Int32, masked_back: Int32,
+        seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
         """Consumer c's loop over the group's query heads and their query tiles; the dQ
@@ -603,19 +609,20 @@ class BwdSm90:
 
         cute.arch.mbarrier_wait(kv_full, 0)
         head0, group = heads
+        # Query tiles in ascending order: those the band's upper edge cuts, the ones
+        # seen whole, those its lower edge cuts (mask.q_block_range).
+        whole_begin, whole_end = m_begin + masked_front, m_end - masked_back
         for head in cutlass.range(head0, head0 + group, unroll=1):
-            for i in cutlass.range(n_masked, unroll=1):
-                q_consumer, do_consumer = self._step(
-                    True, m_begin + i, (head - head0) + i, frags, s_shape, coord_s, r_p, r_ds,
-                    p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum,
-                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-                )
-            for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
-                q_consumer, do_consumer = self._step(
-                    False, m, (head - head0) + (m - m_begin), frags, s_shape, coord_s, r_p,
-                    r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c, sLSE2, sDsum,
-                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-                )
+            for is_masked, start, stop in ((True, m_begin, whole_begin),
+                                           (False, whole_begin, whole_end),
+                                           (True, whole_end, m_end)):
+                for m in cutlass.range(start, stop, unroll=1):
+                    q_consumer, do_consumer = self._step(
+                        is_masked, m, (head - head0) + (m - m_begin), frags, s_shape,
+                        coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t,
+                        sdQ_c, sLSE2, sDsum, scale_log2, q_consumer, do_consumer, c, tidx,
+                        key0, seqlen_k, band_lo, band_hi,
+                    )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             sK, sV, c, tidx, warp, n_block, kv_head, batch,
@@ -630,7 +637,7 @@ class BwdSm90:
         frags,
         s_shape, coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c,
         sLSE2, sDsum, scale_log2: Float32, q_consumer, do_consumer,
-        c: Int32, tidx: Int32, key0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
     ):
         """One query tile: five GEMMs, P and dS in registers, dQ partial staged.
         staged_before > 0 when this CTA staged a dQ partial before (the writer must
@@ -649,7 +656,7 @@ class BwdSm90:
         s_rc = rows_cols(acc_s)
         if cutlass.const_expr(is_masked):
             mask.mask_block_kq(
-                s_rc, coord_s, key0, m * self.tile_m, seqlen_q, seqlen_k, self.causal
+                s_rc, coord_s, key0, m * self.tile_m, seqlen_k, band_lo, band_hi, self.causal
             )
         for col in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             lse2 = sLSE2[coord_s[0, col][1], stage]

@@ -58,7 +58,8 @@ class BwdSm90SplitD(BwdSm90):
         sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
         c: Int32, tidx: Int32, warp: Int32,
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        masked_front: Int32, masked_back: Int32,
+        seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
         """Consumer c: its share of S^T / dP^T and half c of the head dims, over the
@@ -95,19 +96,18 @@ class BwdSm90SplitD(BwdSm90):
 
         cute.arch.mbarrier_wait(kv_full, 0)
         head0, group = heads
+        whole_begin, whole_end = m_begin + masked_front, m_end - masked_back
         for head in cutlass.range(head0, head0 + group, unroll=1):
-            for i in cutlass.range(n_masked, unroll=1):
-                q_consumer, do_consumer = self._split_step(
-                    True, m_begin + i, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
-                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-                    n_block, head, batch, mdQaccum, mSem, deterministic,
-                )
-            for m in cutlass.range(m_begin + n_masked, m_end, unroll=1):
-                q_consumer, do_consumer = self._split_step(
-                    False, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
-                    scale_log2, q_consumer, do_consumer, c, tidx, key0, seqlen_q, seqlen_k,
-                    n_block, head, batch, mdQaccum, mSem, deterministic,
-                )
+            for is_masked, start, stop in ((True, m_begin, whole_begin),
+                                           (False, whole_begin, whole_end),
+                                           (True, whole_end, m_end)):
+                for m in cutlass.range(start, stop, unroll=1):
+                    q_consumer, do_consumer = self._split_step(
+                        is_masked, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                        scale_log2, q_consumer, do_consumer, c, tidx, key0,
+                        seqlen_k, band_lo, band_hi, n_block, head, batch, mdQaccum, mSem,
+                        deterministic,
+                    )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             sK, sV, c, tidx, warp, n_block, kv_head, batch,
@@ -120,7 +120,7 @@ class BwdSm90SplitD(BwdSm90):
         m: Int32,
         frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum, scale_log2: Float32,
         q_consumer, do_consumer,
-        c: Int32, tidx: Int32, key0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
         n_block: Int32, head: Int32, batch: Int32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
@@ -145,7 +145,8 @@ class BwdSm90SplitD(BwdSm90):
             s_rc = rows_cols(acc)
             if cutlass.const_expr(is_masked):
                 mask.mask_block_kq(
-                    s_rc, rows_cols(coord), key0, m * tm, seqlen_q, seqlen_k, self.causal
+                    s_rc, rows_cols(coord), key0, m * tm, seqlen_k, band_lo, band_hi,
+                    self.causal,
                 )
             for i in cutlass.range_constexpr(cute.size(acc)):
                 lse2 = sLSE2[coord[i][1], stage]
@@ -177,14 +178,14 @@ class BwdSm90SplitD(BwdSm90):
         q_handle.release()
         do_handle.release()
         self._add_dq(acc_dq, m, c, tidx, n_block, head, batch, mdQaccum, mSem, deterministic,
-                     seqlen_q, seqlen_k)
+                     band_hi)
         return q_consumer, do_consumer
 
     @cute.jit
     def _add_dq(
         self, acc_dq, m: Int32, c: Int32, tidx: Int32, n_block: Int32, head: Int32,
         batch: Int32, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
-        seqlen_q: Int32, seqlen_k: Int32,
+        band_hi: Int32,
     ):
         """Adds consumer c's dQ partial to the accumulator, value-major (bwd.py); in
         deterministic mode only on this key block's turn, then passes the turn on."""
@@ -195,7 +196,7 @@ class BwdSm90SplitD(BwdSm90):
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
-                mine = self._dq_turn(n_block, m, seqlen_q, seqlen_k)
+                mine = self._dq_turn(n_block, m, band_hi)
                 turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 while turn != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")

@@ -3,11 +3,13 @@
 Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     S = Q K^T,  P = softmax(s * S) over the visible keys,  O = P V,
     LSE_i = log(sum_j exp(s * S_ij)),  natural log; a row with no visible key gives
-    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (bottom-right causal).
+    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the causal variant
+    takes a runtime band lo <= j - i <= hi: causal, windows, either alignment).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32. B, Sq, Sk and H are
-runtime values; dtype, D and causal are compiled in (kernels/config.py).
+runtime values, and so are the band's lo and hi; dtype, D and causal are compiled in
+(kernels/config.py).
 
 One CTA per (tile of tile_m query rows, head, batch); causal grids run the longest
 tiles first. Warpgroup roles:
@@ -82,6 +84,8 @@ class FwdSm90:
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         scale_log2: Float32,
+        band_lo: Int32,
+        band_hi: Int32,
         stream: cuda.CUstream,
     ):
         dt, d = self.dtype, self.head_dim
@@ -123,7 +127,7 @@ class FwdSm90:
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, scale_log2, sQ_layout, sK_layout, sV_layout,
+            lse, scale_log2, band_lo, band_hi, sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
         )
@@ -141,6 +145,8 @@ class FwdSm90:
         tma_o: cute.Tensor,
         mLSE: cute.Tensor,
         scale_log2: Float32,
+        band_lo: Int32,
+        band_hi: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -172,8 +178,8 @@ class FwdSm90:
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
-        n_blocks, n_masked = mask.kv_block_range(
-            m_block, seqlen_q, seqlen_k, self.tile_m, self.tile_n, self.causal
+        n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
+            m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.causal
         )
 
         if wg == 0:
@@ -182,7 +188,7 @@ class FwdSm90:
                 self.load(
                     tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
                     sQ, sK, sV, q_full, k_producer, v_producer,
-                    m_block, head, batch, n_blocks,
+                    m_block, head, batch, n_begin, n_end,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -190,7 +196,8 @@ class FwdSm90:
                 tma_atom_o, tma_o, mLSE, scale_log2,
                 sQ, sK, sV, q_full, k_consumer, v_consumer,
                 wg - 1, tidx % WARPGROUP, warp,
-                m_block, head, batch, n_blocks, n_masked, seqlen_q, seqlen_k,
+                m_block, head, batch, n_begin, n_end, masked_end, masked_begin,
+                seqlen_q, seqlen_k, band_lo, band_hi,
             )
 
     def _kv_pipeline(self, barriers, tx_bytes):
@@ -210,10 +217,10 @@ class FwdSm90:
         self,
         tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
         sQ, sK, sV, q_full, k_producer, v_producer,
-        m_block: Int32, head: Int32, batch: Int32, n_blocks: Int32,
+        m_block: Int32, head: Int32, batch: Int32, n_begin: Int32, n_end: Int32,
     ):
         d = self.head_dim
-        if n_blocks > 0:
+        if n_end > n_begin:
             gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(q_full, self.q_bytes)
@@ -239,12 +246,12 @@ class FwdSm90:
             )
             # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
             # K runs one block ahead of V.
-            n_last = n_blocks - 1
+            n_last = n_end - 1
             k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, n_last], tKsK)
-            for i in cutlass.range(1, n_blocks, unroll=1):
+            for i in cutlass.range(1, n_end - n_begin, unroll=1):
                 k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, n_last - i], tKsK)
                 v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, n_last - i + 1], tVsV)
-            v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, 0], tVsV)
+            v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, n_begin], tVsV)
 
     @staticmethod
     def _tma_block(producer, atom, src, ring):
@@ -262,8 +269,10 @@ class FwdSm90:
         sQ, sK, sV, q_full, k_consumer, v_consumer,
         c: Int32, tidx: Int32, warp: Int32,
         m_block: Int32, head: Int32, batch: Int32,
-        n_blocks: Int32, n_masked: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        n_begin: Int32, n_end: Int32, masked_end: Int32, masked_begin: Int32,
+        seqlen_q: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
     ):
+        """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range."""
         d, tile_n = self.head_dim, self.tile_n
         sQc = sQ[None, None, c]
         pv_mma = self._pv_mma()
@@ -285,13 +294,13 @@ class FwdSm90:
         coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, d))))
         tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
 
-        if n_blocks > 0:
+        if n_end > n_begin:
             if c == self.consumers - 1:
                 self._pass_turn(c)  # consumer 0 issues first
             cute.arch.mbarrier_wait(q_full, 0)
 
             # First visited block: S and softmax only; its PV runs in the next step.
-            n_last = n_blocks - 1
+            n_last = n_end - 1
             acc_s = thr_qk.make_fragment_C(s_shape)
             k_handle = k_consumer.wait_and_advance()
             self._wait_turn(c)
@@ -300,21 +309,32 @@ class FwdSm90:
             warpgroup.wait_group(0)
             k_handle.release()
             s_rc = rows_cols(acc_s)
-            mask.mask_block(s_rc, coord_s, row0, n_last * tile_n, seqlen_q, seqlen_k, self.causal)
+            mask.mask_block(
+                s_rc, coord_s, row0, n_last * tile_n, seqlen_k, band_lo, band_hi, self.causal
+            )
             softmax.step(s_rc, o_scale)
             r_p.store(acc_s.load().to(self.dtype))
 
-            for i in cutlass.range(n_masked - 1, unroll=1):
+            # Then, downwards: the rest of the top masked blocks, the whole ones, and
+            # the ones the band's left edge cuts.
+            for i in cutlass.range(masked_end - 1, unroll=1):
                 k_consumer, v_consumer = self._step(
                     True, n_last - 1 - i, thr_qk, s_shape, tSrQ, tSrK, tOrV,
                     tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
-                    c, row0, seqlen_q, seqlen_k,
+                    c, row0, seqlen_k, band_lo, band_hi,
                 )
-            for i in cutlass.range(n_blocks - n_masked, unroll=1):
+            n_whole_top = n_end - masked_end - 1
+            for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
                 k_consumer, v_consumer = self._step(
-                    False, n_blocks - n_masked - 1 - i, thr_qk, s_shape, tSrQ,
+                    False, n_whole_top - i, thr_qk, s_shape, tSrQ,
                     tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                    v_consumer, c, row0, seqlen_q, seqlen_k,
+                    v_consumer, c, row0, seqlen_k, band_lo, band_hi,
+                )
+            for i in cutlass.range(masked_begin, unroll=1):
+                k_consumer, v_consumer = self._step(
+                    True, n_begin + masked_begin - 1 - i, thr_qk, s_shape, tSrQ,
+                    tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
+                    v_consumer, c, row0, seqlen_k, band_lo, band_hi,
                 )
 
             # PV of the last visited block.
@@ -338,7 +358,7 @@ class FwdSm90:
         n_block: Int32,
         thr_qk, s_shape, tSrQ, tSrK, tOrV, tOrP, r_p, acc_o, coord_s,
         softmax, o_scale, k_consumer, v_consumer,
-        c: Int32, row0: Int32, seqlen_q: Int32, seqlen_k: Int32,
+        c: Int32, row0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
     ):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
         overlapping the PV product (j = n_block; P_{j+1} is in r_p)."""
@@ -355,7 +375,7 @@ class FwdSm90:
         s_rc = rows_cols(acc_s)
         if cutlass.const_expr(is_masked):
             mask.mask_block(
-                s_rc, coord_s, row0, n_block * self.tile_n, seqlen_q, seqlen_k, self.causal
+                s_rc, coord_s, row0, n_block * self.tile_n, seqlen_k, band_lo, band_hi, self.causal
             )
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)

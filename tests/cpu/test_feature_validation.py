@@ -140,15 +140,14 @@ GQA_KV = sds(2, 24, 2, 64)
 FEATURES = [
     (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128), {},
      "head_dim_v != head_dim (D=192, Dv=128)"),
-    (Q, KV, KV, dict(causal=True, alignment="top_left"), "top_left alignment"),
-    (Q, KV, KV, dict(window=(128, 0)), "window"),
-    (Q, KV, KV, dict(window=(None, 5)), "window"),
     (Q, KV, KV, dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24)), "segment ids"),
     (Q, KV, KV, dict(kv_lengths=ints(2)), "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(q_lengths=ints(2)), "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(softcap=30.0), "softcap"),
     # The first gap is named; GQA itself is in the kernels.
-    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "window"),
+    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "softcap"),
+    (Q, KV, KV, dict(causal=True, alignment="top_left", kv_lengths=ints(2)),
+     "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32)), "softcap"),
     (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128),
      dict(sinks=sds(4, dtype=F32)), "head_dim_v != head_dim (D=192, Dv=128)"),
@@ -194,6 +193,32 @@ def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
     lowered = jax.jit(lambda q: jax_fa4.attention(q, q, q, window=(None, 0))).trace(q).lower(
         lowering_platforms=("cuda",)).as_text()
     assert re.search(r"custom_call @jax_fa4_fwd\(.*causal = true", lowered)
+
+
+@pytest.mark.parametrize("kwargs,band", [
+    # (window_left, window_right, top_left) as the kernels receive them (-1: unbounded).
+    ({"causal": True}, (-1, 0, False)),
+    ({"window": (128, 0)}, (128, 0, False)),
+    ({"window": (None, 5)}, (-1, 5, False)),
+    ({"window": (7, 9)}, (7, 9, False)),
+    ({"causal": True, "window": (3, None)}, (3, 0, False)),
+    ({"causal": True, "alignment": "top_left"}, (-1, 0, True)),
+    ({"window": (2, 2), "alignment": "top_left"}, (2, 2, True)),
+    ({"window": (1 << 40, 4)}, (-1, 4, False)),  # beyond any sequence: unbounded
+])
+def test_bands_take_the_banded_kernels(hopper, kwargs, band):
+    # Q has 16 rows and KV 24: top-left is a different band from bottom-right.
+    assert jax_fa4.supports(Q, KV, KV, **kwargs) == (True, "")
+    grad = jax.grad(lambda q, k, v: jnp.sum(jax_fa4.attention(q, k, v, **kwargs)),
+                    argnums=(0, 1, 2))
+    lowered = jax.jit(grad).trace(Q, KV, KV).lower(lowering_platforms=("cuda",)).as_text()
+    left, right, top_left = band
+    for target in ("jax_fa4_fwd", "jax_fa4_bwd"):
+        call = re.search(rf"custom_call @{target}\(.*", lowered).group(0)
+        assert "causal = true" in call, call
+        assert f"top_left = {str(top_left).lower()}" in call, call
+        assert f"window_left = {left} : i32" in call, call
+        assert f"window_right = {right} : i32" in call, call
 
 
 def test_sinks_take_the_kernels(hopper):

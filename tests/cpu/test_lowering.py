@@ -206,6 +206,10 @@ def test_top_left_self_attention_keeps_the_kernel(built):
     x = sds(2, 64, 4, 64)
     top_left = functools.partial(jax_fa4.attention, causal=True, alignment="top_left")
     assert fwd_calls(top_left, x, x, x) == [(True, np.float32(64 ** -0.5))]
+    assert "top_left = false" in jax.jit(top_left).trace(x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    # With Sq != Sk the banded kernel takes the top-left band.
     kv = sds(2, 80, 4, 64)
-    assert fwd_calls(top_left, x, kv, kv) == []
-    assert "top_left" in jax_fa4.supports(x, kv, kv, causal=True, alignment="top_left")[1]
+    assert fwd_calls(top_left, x, kv, kv) == [(True, np.float32(64 ** -0.5))]
+    assert "top_left = true" in jax.jit(top_left).trace(x, kv, kv).lower(
+        lowering_platforms=("cuda",)).as_text()

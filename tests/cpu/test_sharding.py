@@ -169,6 +169,15 @@ def test_causal_ring_needs_equal_lengths(built, mesh):
         fwd.lower(q, k, v).compile()
 
 
+def test_window_over_a_sharded_sequence_is_refused(built, mesh):
+    q, k, v, _ = inputs(sk=24)
+    shard = NamedSharding(mesh, P(None, "data", None, None))
+    fwd = jax.jit(functools.partial(jax_fa4.attention, window=(4, 0)),
+                  in_shardings=(shard,) * 3)
+    with pytest.raises(Exception, match="ring_attention"):
+        fwd.lower(q, k, v).compile()
+
+
 def test_backward_refuses_head_dim_sharding(built, mesh):
     # The backward on its own (in a grad, the forward would refuse first).
     q, k, v, dout = inputs()

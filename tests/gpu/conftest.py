@@ -26,23 +26,30 @@ RTOL = 2.0
 ATOL = 2 * float(np.finfo(np.float32).eps) * 0.3
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "compute_dtype"))
-def _reference(q, k, v, sinks, *, causal, softmax_scale, compute_dtype):
+_STATIC = ("causal", "softmax_scale", "compute_dtype", "alignment", "window")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _reference(q, k, v, sinks, *, causal, softmax_scale, compute_dtype, alignment, window):
     return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                               compute_dtype=compute_dtype, sinks=sinks)
+                               compute_dtype=compute_dtype, sinks=sinks, alignment=alignment,
+                               window=window)
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "softmax_scale", "compute_dtype"))
-def _reference_backward(q, k, v, dout, dlse, sinks, *, causal, softmax_scale, compute_dtype):
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def _reference_backward(q, k, v, dout, dlse, sinks, *, causal, softmax_scale, compute_dtype,
+                        alignment, window):
     # With sinks, the FlashAttention backward from the sunk out and lse is still exact
     # for q, k, v: the sink is a key with no value, so D = rowsum(dO * O) - dlse holds.
-    out, lse = reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
-                                   compute_dtype=compute_dtype, sinks=sinks)
-    return reference_backward(q, k, v, out, lse, dout, dlse, causal=causal,
-                              softmax_scale=softmax_scale, compute_dtype=compute_dtype)
+    mask = {"causal": causal, "alignment": alignment, "window": window}
+    out, lse = reference_attention(q, k, v, softmax_scale=softmax_scale,
+                                   compute_dtype=compute_dtype, sinks=sinks, **mask)
+    return reference_backward(q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale,
+                              compute_dtype=compute_dtype, **mask)
 
 
-def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sinks=None):
+def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sinks=None,
+                        alignment="bottom_right", window=None):
     """-> ((dq, dk, dv) float32, (dq, dk, dv) in the input dtype's math): the gradients
     for the cotangents dout of out (B, Sq, H, D) and dlse of lse (B, H, Sq) float32.
 
@@ -51,20 +58,23 @@ def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sink
     (`reference_backward`), after the low-precision forward."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-    ref = _reference_backward(*f32, dlse, sinks, causal=causal, softmax_scale=scale,
-                              compute_dtype="float32")
-    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, sinks, causal=causal,
-                             softmax_scale=scale, compute_dtype=jnp.dtype(q.dtype).name)
+    mask = {"causal": causal, "alignment": alignment, "window": window}
+    ref = _reference_backward(*f32, dlse, sinks, softmax_scale=scale, compute_dtype="float32",
+                              **mask)
+    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, sinks, softmax_scale=scale,
+                             compute_dtype=jnp.dtype(q.dtype).name, **mask)
     return ref, lp
 
 
-def references(q, k, v, *, causal, softmax_scale=None, sinks=None):
+def references(q, k, v, *, causal, softmax_scale=None, sinks=None, alignment="bottom_right",
+               window=None):
     """-> ((out_ref, lse_ref) float32, (out_lp, lse_lp) in the input dtype's math)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    ref = _reference(*f32, sinks, causal=causal, softmax_scale=scale, compute_dtype="float32")
-    lp = _reference(q, k, v, sinks, causal=causal, softmax_scale=scale,
-                    compute_dtype=jnp.dtype(q.dtype).name)
+    mask = {"causal": causal, "alignment": alignment, "window": window}
+    ref = _reference(*f32, sinks, softmax_scale=scale, compute_dtype="float32", **mask)
+    lp = _reference(q, k, v, sinks, softmax_scale=scale,
+                    compute_dtype=jnp.dtype(q.dtype).name, **mask)
     return ref, lp
 
 
@@ -100,10 +110,11 @@ def assert_rule(what, got, ref, lp, rtol=RTOL, atol=ATOL):
                           f"({lp_err:.3e}) + atol ({atol:.1e}) = {bound:.3e}")
 
 
-def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None, sinks=None):
-    """out and lse of attention(q, k, v) against the rule."""
+def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None, **mask):
+    """out and lse of attention(q, k, v) against the rule; mask: sinks, alignment,
+    window as `references` takes them."""
     (out_ref, lse_ref), (out_lp, lse_lp) = references(q, k, v, causal=causal,
-                                                      softmax_scale=softmax_scale, sinks=sinks)
+                                                      softmax_scale=softmax_scale, **mask)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_rule(f"{what} out", out, out_ref, out_lp)
     # Both references keep the softmax statistics in float32, so lse_lp is no
@@ -115,10 +126,11 @@ def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None, sin
 
 
 def assert_gradients(what, grads, q, k, v, dout, dlse, *, causal, softmax_scale=None,
-                     sinks=None):
-    """dq, dk, dv for the cotangents (dout, dlse) against the rule."""
+                     **mask):
+    """dq, dk, dv for the cotangents (dout, dlse) against the rule (mask: as
+    assert_attention)."""
     ref, lp = backward_references(q, k, v, dout, dlse, causal=causal,
-                                  softmax_scale=softmax_scale, sinks=sinks)
+                                  softmax_scale=softmax_scale, **mask)
     for name, got, x, r, l in zip(("dq", "dk", "dv"), grads, (q, k, v), ref, lp):
         assert got.dtype == x.dtype, f"{what} {name}: dtype {got.dtype}"
         assert_rule(f"{what} {name}", got, r, l)

@@ -1,0 +1,52 @@
+"""Which blocks a band of visibility touches: the integer arithmetic of the Hopper
+kernels' block ranges (kernels/sm90/mask.py), shared with the CPU tests.
+
+Key j is visible from query row i iff j < Sk and lo <= j - i <= hi. The functions take
+`mn` / `mx`: the DSL's min / max on runtime Int32 in the kernels, Python's in the
+tests. Every division has a non-negative numerator (the DSL's truncates toward zero).
+"""
+
+
+def ceil_div(a, b):
+    return (a + b - 1) // b
+
+
+def kv_blocks(row0, tile_m, seqlen_k, lo, hi, tile_n, mn=min, mx=max):
+    """Key blocks of the query tile of rows [row0, row0 + tile_m): (n_begin, n_end,
+    masked_end, masked_begin). Blocks [n_begin, n_end) hold a key some row sees; the
+    top masked_end and the bottom masked_begin of them may hold invisible elements; the
+    ones between are seen whole by every row. masked_end >= 1 when n_end > n_begin:
+    the forward masks the first block it visits (the top one) in any case."""
+    row1 = row0 + tile_m - 1
+    # Keys some row sees: [row0 + lo, row1 + hi], within [0, Sk).
+    n_end = ceil_div(mx(mn(seqlen_k, row1 + hi + 1), 0), tile_n)
+    n_begin = mn(mx(row0 + lo, 0) // tile_n, n_end)
+    # Keys every row sees: [row1 + lo, row0 + hi], in whole blocks below Sk.
+    whole_begin = ceil_div(mx(row1 + lo, 0), tile_n)
+    whole_end = mn(mx(row0 + hi + 1, 0) // tile_n, seqlen_k // tile_n)
+    whole_end = mx(mn(whole_end, n_end - 1), n_begin)
+    whole_begin = mn(mx(whole_begin, n_begin), whole_end)
+    return n_begin, n_end, n_end - whole_end, whole_begin - n_begin
+
+
+def q_tiles(key0, tile_n, seqlen_q, lo, hi, tile_m, mn=min, mx=max):
+    """Query tiles of the key block [key0, key0 + tile_n): (m_begin, m_end,
+    masked_front, masked_back). Tiles [m_begin, m_end) hold a row that sees a key of the
+    block; the first masked_front and the last masked_back of them may hold invisible
+    elements (the Sk tail aside: the caller masks every tile of the block holding it)."""
+    key1 = key0 + tile_n - 1
+    # Rows that see some key: [key0 - hi, key1 - lo], within [0, Sq).
+    m_end = mn(ceil_div(mx(key1 - lo + 1, 0), tile_m), ceil_div(seqlen_q, tile_m))
+    m_begin = mn(mx(key0 - hi, 0) // tile_m, m_end)
+    # Rows that see every key: [key1 - hi, key0 - lo].
+    whole_begin = ceil_div(mx(key1 - hi, 0), tile_m)
+    whole_end = mx(mn(mx(key0 - lo + 1, 0) // tile_m, m_end), m_begin)
+    whole_begin = mn(mx(whole_begin, m_begin), whole_end)
+    return m_begin, m_end, whole_begin - m_begin, m_end - whole_end
+
+
+def last_block(m_block, tile_m, hi, tile_n, n_blocks, mn=min, mx=max):
+    """The highest key block whose q_tiles range holds query tile m_block (when any
+    does): block n's m_begin <= m iff n * tile_n < (m + 1) * tile_m + hi, and its m_end
+    then lies above m, since lo <= hi."""
+    return mn(mx((m_block + 1) * tile_m + hi - 1, 0) // tile_n, n_blocks - 1)

@@ -1,0 +1,104 @@
+"""The kernels' block ranges for a band lo <= j - i <= hi (kernels/band.py, the arithmetic
+kernels/sm90/mask.py runs on the GPU) against brute force over every (row, key) pair:
+nothing visible is skipped, nothing left unmasked is invisible, and the deterministic
+backward's dQ turns of each query tile are 0 .. k-1 exactly once."""
+
+import itertools
+import random
+
+import pytest
+
+from kernels import band
+
+LIMIT = 1 << 30  # kernels/sm90/mask.py BAND_LIMIT: an unbounded side
+TILES = [(64, 128), (128, 128), (128, 64), (64, 64), (128, 176)]  # (tile_m, tile_n)
+
+
+def _bands(sq, sk, rng):
+    """(lo, hi): no mask aside, causal both alignments, windows, one-sided, off-diagonal."""
+    offsets = (sk - sq, 0)
+    out = [(-LIMIT, off) for off in offsets]  # causal, bottom-right / top-left
+    def side():  # unbounded, small, any, or next to a multiple of the tiles
+        near_tile = max(0, 64 * rng.randrange(0, 5) + rng.choice([-2, -1, 0, 1, 2]))
+        return rng.choice([None, 0, 1, rng.randrange(0, 300), near_tile, near_tile])
+
+    for _ in range(8):
+        off = rng.choice(offsets)
+        left, right = side(), side()
+        out.append((-LIMIT if left is None else off - left,
+                    LIMIT if right is None else off + right))
+    return out
+
+
+def _cases():
+    rng = random.Random(0)
+    sizes = [1, 2, 17, 63, 64, 65, 113, 128, 129, 203, 257, 511, 1000]
+    for sq, sk in itertools.product(sizes, sizes):
+        if rng.random() < 0.5:
+            continue
+        for lo, hi in _bands(sq, sk, rng):
+            yield sq, sk, lo, hi, rng.choice(TILES)
+
+
+CASES = list(_cases())
+
+
+def _visible(i, j, sk, lo, hi):
+    return j < sk and lo <= j - i <= hi
+
+
+@pytest.mark.parametrize("chunk", range(8))
+def test_block_ranges_cover_the_band(chunk):
+    for sq, sk, lo, hi, (tm, tn) in CASES[chunk::8]:
+        where = f"sq={sq} sk={sk} lo={lo} hi={hi} tile=({tm}, {tn})"
+        n_blocks, m_tiles = band.ceil_div(sk, tn), band.ceil_div(sq, tm)
+        # Visible pairs per (tile, block), rows < Sq only (padding rows never count).
+        seen = {}
+        for i in range(sq):
+            # Keys of row i in the band: [i + lo, i + hi] within [0, Sk).
+            for j in range(max(i + lo, 0), min(i + hi + 1, sk)):
+                seen.setdefault((i // tm, j // tn), set()).add((i, j))
+        visits = {}
+        for m in range(m_tiles):
+            n_begin, n_end, masked_end, masked_begin = band.kv_blocks(m * tm, tm, sk, lo, hi, tn)
+            assert n_begin <= n_end and masked_end >= 0 and masked_begin >= 0, where
+            if n_end > n_begin:
+                assert masked_end >= 1 and masked_end + masked_begin <= n_end - n_begin, where
+            visited = set(range(n_begin, n_end))
+            assert {n for (mm, n) in seen if mm == m} <= visited, where
+            for n in range(n_begin + masked_begin, n_end - masked_end):  # unmasked
+                rows = range(m * tm, min((m + 1) * tm, sq))
+                assert all(_visible(i, j, sk, lo, hi)
+                           for i in rows for j in range(n * tn, (n + 1) * tn)), where
+        for n in range(n_blocks):
+            m_begin, m_end, front, back = band.q_tiles(n * tn, tn, sq, lo, hi, tm)
+            if (n + 1) * tn > sk:  # the Sk tail: every tile masked (mask.q_block_range)
+                front, back = m_end - m_begin, 0
+            assert m_begin <= m_end and front >= 0 and back >= 0, where
+            assert front + back <= m_end - m_begin, where
+            assert {mm for (mm, nn) in seen if nn == n} <= set(range(m_begin, m_end)), where
+            for m in range(m_begin + front, m_end - back):  # unmasked
+                rows = range(m * tm, min((m + 1) * tm, sq))
+                assert all(_visible(i, j, sk, lo, hi)
+                           for i in rows for j in range(n * tn, (n + 1) * tn)), where
+            for m in range(m_begin, m_end):
+                visits.setdefault(m, []).append(n)
+        # Deterministic order: descending from the tile's last visiting block.
+        for m, blocks in visits.items():
+            last = band.last_block(m, tm, hi, tn, n_blocks)
+            turns = sorted(last - n for n in blocks)
+            assert turns == list(range(len(blocks))), f"{where} tile {m}: {turns}"
+
+
+def test_cases_exercise_every_shape_of_band():
+    # Both edges cut some tiles, some tiles see nothing, some blocks are whole.
+    kinds = set()
+    for sq, sk, lo, hi, (tm, tn) in CASES:
+        for m in range(band.ceil_div(sq, tm)):
+            n_begin, n_end, masked_end, masked_begin = band.kv_blocks(m * tm, tm, sk, lo, hi, tn)
+            kinds.add("empty" if n_end == n_begin else "visited")
+            if masked_begin:
+                kinds.add("left edge")
+            if n_end - n_begin > masked_end + masked_begin:
+                kinds.add("whole")
+    assert kinds == {"empty", "visited", "left edge", "whole"}

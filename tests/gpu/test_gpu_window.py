@@ -1,0 +1,64 @@
+"""Bands in the kernels (sliding windows, one-sided windows, top-left alignment) with the
+rule of KERNELS.md: out, lse, and dq, dk, dv in both backward modes, against the float32
+reference with the same band. Sizes put band edges across tile boundaries, leave rows
+that see no key, and make key blocks that every row of a tile sees whole; the GPU test
+of the block ranges whose arithmetic tests/cpu/test_band_ranges.py checks exhaustively."""
+
+import functools
+import itertools
+import zlib
+
+import jax
+import pytest
+
+import jax_fa4
+
+pytestmark = pytest.mark.gpu
+
+# (name, attention keyword arguments): the band.
+BANDS = (
+    ("sliding", {"causal": True, "window": (100, None)}),
+    ("two-sided", {"window": (64, 32)}),
+    ("right-only", {"window": (None, 40)}),
+    ("left-only", {"window": (300, None)}),
+    ("diagonal", {"window": (0, 0)}),
+    ("top-left-causal", {"causal": True, "alignment": "top_left"}),
+    ("top-left-window", {"window": (17, 3), "alignment": "top_left"}),
+)
+SEQLENS = ((113, 203), (203, 113), (1000, 1000))
+BATCH, HEADS = 2, 3
+
+
+def _case(dtype, head_dim, band, seqlens):
+    (name, kwargs), (sq, sk) = band, seqlens
+    return pytest.param(dtype, head_dim, kwargs, sq, sk,
+                        id=f"{dtype}-d{head_dim}-{name}-sq{sq}-sk{sk}",
+                        marks=pytest.mark.xdist_group(f"window-{dtype}-d{head_dim}"))
+
+
+CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 128, 256),
+                                              BANDS, SEQLENS)]
+
+
+@functools.partial(jax.jit, static_argnames=("band", "deterministic"))
+def _cute_vjp(q, k, v, dout, dlse, band, deterministic):
+    attn = functools.partial(jax_fa4.attention, return_lse=True, implementation="cute",
+                             deterministic=deterministic, **dict(band))
+    (out, lse), vjp = jax.vjp(attn, q, k, v)
+    return out, lse, vjp((dout, dlse))
+
+
+@pytest.mark.parametrize("dtype,head_dim,band,sq,sk", CASES)
+def test_band_matches_reference(fa, dtype, head_dim, band, sq, sk):
+    seed = zlib.crc32(repr(("window", dtype, head_dim, sorted(band.items()), sq, sk)).encode())
+    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, HEADS, HEADS, head_dim)
+    mask = {"causal": band.get("causal", False), "window": band.get("window"),
+            "alignment": band.get("alignment", "bottom_right")}
+    frozen = tuple(sorted(band.items()))
+    for deterministic in (False, True):
+        out, lse, grads = _cute_vjp(q, k, v, dout, dlse, band=frozen,
+                                    deterministic=deterministic)
+        if not deterministic:
+            fa.assert_attention("band", out, lse, q, k, v, **mask)
+        mode = "deterministic" if deterministic else "atomic"
+        fa.assert_gradients(mode, grads, q, k, v, dout, dlse, **mask)
