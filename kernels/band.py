@@ -21,10 +21,10 @@ def kv_blocks(row0, tile_m, seqlen_k, lo, hi, tile_n, mn=min, mx=max):
     # Keys some row sees: [row0 + lo, row1 + hi], within [0, Sk).
     n_end = ceil_div(mx(mn(seqlen_k, row1 + hi + 1), 0), tile_n)
     n_begin = mn(mx(row0 + lo, 0) // tile_n, n_end)
-    # Keys every row sees: [row1 + lo, row0 + hi], in whole blocks below Sk.
+    # Keys every row sees: [row1 + lo, row0 + hi], in whole blocks. The top block stays
+    # masked, and it is the only one that can hold the Sk tail.
     whole_begin = ceil_div(mx(row1 + lo, 0), tile_n)
-    whole_end = mn(mx(row0 + hi + 1, 0) // tile_n, seqlen_k // tile_n)
-    whole_end = mx(mn(whole_end, n_end - 1), n_begin)
+    whole_end = mx(mn(mx(row0 + hi + 1, 0) // tile_n, n_end - 1), n_begin)
     whole_begin = mn(mx(whole_begin, n_begin), whole_end)
     return n_begin, n_end, n_end - whole_end, whole_begin - n_begin
 
