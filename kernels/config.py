@@ -15,7 +15,7 @@ import dataclasses
 import itertools
 
 DTYPES = ("bf16", "fp16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
 ARCHS = ("sm_90a",)
 
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
@@ -38,14 +38,17 @@ class Tile:
 
 
 # Tiles per (head_dim, causal). Shared memory (bf16) is Q m*D + (K + V) n*D*stages of the
-# 227 KB a CTA can use: d64 24/16 + 64 KB; d128 32 + 128 KB; d256 64 + 160 KB (n = 80
-# because K and V blocks of 128 keys would not fit twice).
+# 227 KB a CTA can use: d64 24/16 + 64 KB; d96 24 + 96 KB (the d128 tiles, not yet
+# tuned); d128 32 + 128 KB; d256 64 + 160 KB (n = 80 because K and V blocks of 128 keys
+# would not fit twice).
 # d64 (H100, bench, CUPTI time): 3 consumers (m=192) vs 2 (m=128), TFLOP/s at s=1k/8k:
 #   non-causal 333/557 vs 323/457; causal 165/437 vs 235/458. Short causal tiles skip
 #   too little work per CTA at m=192.
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2),
     (64, True): Tile(m=128, n=128, kv_stages=2),
+    (96, False): Tile(m=128, n=128, kv_stages=2),
+    (96, True): Tile(m=128, n=128, kv_stages=2),
     (128, False): Tile(m=128, n=128, kv_stages=2),
     (128, True): Tile(m=128, n=128, kv_stages=2),
     (256, False): Tile(m=128, n=80, kv_stages=2),
@@ -124,6 +127,7 @@ class BwdTile:
 # 128 + 64 + 32 KB.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
+    96: BwdTile(m=64, n=128, q_stages=2),
     128: BwdTile(m=64, n=128, q_stages=2),
     256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True),
 }

@@ -157,19 +157,20 @@ class BwdSm90:
         mdQaccum: cute.Tensor,
         mSem: cute.Tensor,
     ):
-        """128 threads. Row sums: D / 8 consecutive threads per query row, 8 head dims
-        (16 bytes of O and of dO) each, so a warp reads whole rows; then the tile's dQ
-        accumulator is zeroed 16 bytes per thread, a warp writing 512 contiguous bytes."""
+        """128 threads. Row sums: D / 8 threads per query row (rounded up to a power of
+        two for the shuffle reduction; the extra lanes add 0), 8 head dims (16 bytes of O
+        and of dO) each, so a warp reads whole rows; then the tile's dQ accumulator is
+        zeroed 16 bytes per thread, a warp writing 512 contiguous bytes."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mO.shape[1]
-        per_row = self.head_dim // VEC
+        per_row = 1 << (self.head_dim // VEC - 1).bit_length()
         rows_per_pass = WARPGROUP // per_row
         lane = tidx % per_row
         for p in cutlass.range_constexpr(self.tile_m // rows_per_pass):
             row = m_block * self.tile_m + p * rows_per_pass + tidx // per_row
             total = Float32(0.0)
-            if row < seqlen_q:
+            if row < seqlen_q and lane < self.head_dim // VEC:
                 o = cute.local_tile(mO[batch, row, head, None], (VEC,), (lane,))
                 do = cute.local_tile(mdO[batch, row, head, None], (VEC,), (lane,))
                 prod = o.load().to(Float32) * do.load().to(Float32)
@@ -230,9 +231,10 @@ class BwdSm90:
         cute.arch.sync_threads()
         per_row = d // VEC
         threads = WARPGROUP * self.consumers
+        assert self.tile_m * per_row % threads == 0
         for p in cutlass.range_constexpr(self.tile_m * per_row // threads):
             r = (p * threads + tidx) // per_row
-            lane = tidx % per_row
+            lane = (p * threads + tidx) % per_row
             row = m_block * self.tile_m + r
             if row < seqlen_q:
                 src = cute.local_tile(sdQ[r, None], (VEC,), (lane,))

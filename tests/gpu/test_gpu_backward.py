@@ -22,7 +22,7 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
 CAUSAL = (False, True)
 # Odd sizes around the tiles (64 query rows, 128 keys), Sq < Sk and Sq > Sk (causal rows
 # that see no key), several key blocks per query tile and query tiles per key block.

@@ -14,7 +14,7 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
 CAUSAL = (False, True)
 SEQLENS = ((17, 113), (113, 203), (1000, 1000))
 GROUPS = ((6, 2), (4, 1))  # (query heads, key/value heads): GQA, MQA

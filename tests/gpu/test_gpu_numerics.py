@@ -19,7 +19,7 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 128, 256)
+HEAD_DIMS = (64, 96, 128, 256)
 CAUSAL = (False, True)
 SEQLENS = ((1, 1), (1, 239), (17, 113), (113, 203), (127, 128), (128, 128), (129, 1000),
            (239, 1), (799, 3), (1000, 1000), (4224, 4224))

@@ -28,7 +28,7 @@ def _case(dtype, head_dim, causal, seqlens):
                         marks=pytest.mark.xdist_group(f"sinks-{dtype}-d{head_dim}"))
 
 
-CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 128, 256),
+CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 96, 128, 256),
                                               (False, True), SEQLENS)]
 
 

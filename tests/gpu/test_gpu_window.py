@@ -36,7 +36,7 @@ def _case(dtype, head_dim, band, seqlens):
                         marks=pytest.mark.xdist_group(f"window-{dtype}-d{head_dim}"))
 
 
-CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 128, 256),
+CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 96, 128, 256),
                                               BANDS, SEQLENS)]
 
 
