@@ -1,7 +1,7 @@
 """Attention sinks on the kernel path (the kernels' out and lse, then the sinks) with the
-rule of KERNELS.md: out, lse, dq, dk, dv and dsinks against the float32 reference with
-sinks, forward and both backward modes. Includes causal rows that see no key (Sq > Sk),
-whose lse is the sink and out 0."""
+rule of KERNELS.md: out, lse, dq, dk, dv against the float32 reference with sinks, forward
+and both backward modes; dsinks against its closed form on the kernels' out and lse.
+Includes causal rows that see no key (Sq > Sk), whose lse is the sink and out 0."""
 
 import functools
 import itertools
@@ -12,7 +12,6 @@ import jax.numpy as jnp
 import pytest
 
 import jax_fa4
-from jax_fa4._reference import reference_attention
 
 pytestmark = pytest.mark.gpu
 
@@ -40,16 +39,25 @@ def _cute_vjp(q, k, v, sinks, dout, dlse, causal, deterministic):
     return out, lse, vjp((dout, dlse))
 
 
-@functools.partial(jax.jit, static_argnames=("causal", "compute_dtype"))
-def _dsinks(q, k, v, sinks, dout, dlse, causal, compute_dtype):
-    scale = q.shape[-1] ** -0.5
-
-    def attn(sinks):
-        return reference_attention(q, k, v, causal=causal, softmax_scale=scale,
-                                   compute_dtype=compute_dtype, sinks=sinks)
-
-    _, vjp = jax.vjp(attn, sinks)
-    return vjp((dout.astype(q.dtype), dlse))[0]
+@functools.partial(jax.jit, static_argnames=("causal",))
+def _dsinks_closed_form(q, k, v, sinks, dout, dlse, causal):
+    """dsinks of the kernel path, written out from the kernels' own out and lse (no
+    sinks), with its scale of float32 rounding. With lse' = logaddexp(lse, s), the sink's
+    share sigma = e^(s - lse') and out' = out e^(lse - lse'): d lse'/ds = sigma and
+    d out'/ds = -sigma out', so dsinks = sum over b, i of sigma (dlse - dout . out')."""
+    out, lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
+                                 implementation="cute")
+    s = sinks[:, None]
+    lse_sunk = jnp.logaddexp(lse, s)
+    sigma = jnp.exp(s - lse_sunk)
+    weight = jnp.where(jnp.isneginf(lse), 0.0, jnp.exp(lse - lse_sunk))
+    out_sunk = out.astype(jnp.float32) * jnp.swapaxes(weight, -1, -2)[..., None]
+    dout_out = jnp.einsum("bqhd,bqhd->bhq", dout.astype(jnp.float32), out_sunk)
+    terms = sigma * (dlse - dout_out)
+    abs_dout_out = jnp.einsum("bqhd,bqhd->bhq", jnp.abs(dout.astype(jnp.float32)),
+                              jnp.abs(out_sunk))
+    magnitude = jnp.sum(sigma * (jnp.abs(dlse) + abs_dout_out), axis=(0, 2))
+    return jnp.sum(terms, axis=(0, 2)), magnitude
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal,sq,sk", CASES)
@@ -63,9 +71,11 @@ def test_sinks_match_reference(fa, dtype, head_dim, causal, sq, sk):
     sinks = jnp.log(jnp.float32(sk)) + jax.random.normal(ks, (HEADS,), jnp.float32)
     dout = fa.normal(kdo, q.shape, dtype)
     dlse = jax.random.normal(kdl, (BATCH, HEADS, sq), jnp.float32)
-    f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-    ds_ref = _dsinks(*f32[:3], sinks, f32[3], dlse, causal=causal, compute_dtype="float32")
-    ds_lp = _dsinks(q, k, v, sinks, dout, dlse, causal=causal, compute_dtype=dtype)
+    # dsinks is one sum per head of many rows' rounding errors: against the bf16
+    # reference, the rule's ratio of two such sums swung from 0.4 to 3.4 between seeds for
+    # a correct kernel. The kernels' out and lse, which fix dsinks, meet the rule below;
+    # dsinks must then equal its closed form on them up to float32 summation order.
+    ds_want, magnitude = _dsinks_closed_form(q, k, v, sinks, dout, dlse, causal=causal)
     for deterministic in (False, True):
         out, lse, (*grads, dsinks) = _cute_vjp(q, k, v, sinks, dout, dlse, causal=causal,
                                                deterministic=deterministic)
@@ -73,4 +83,6 @@ def test_sinks_match_reference(fa, dtype, head_dim, causal, sq, sk):
             fa.assert_attention("sinks", out, lse, q, k, v, causal=causal, sinks=sinks)
         mode = "deterministic" if deterministic else "atomic"
         fa.assert_gradients(mode, grads, q, k, v, dout, dlse, causal=causal, sinks=sinks)
-        fa.assert_rule(f"{mode} dsinks", dsinks, ds_ref, ds_lp)
+        err = jnp.abs(dsinks - ds_want)
+        assert bool(jnp.all(err <= 1e-5 * magnitude)), (
+            f"{mode} dsinks: |got - closed form| = {err} > 1e-5 * {magnitude}")
