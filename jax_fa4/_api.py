@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _registry, _vjp
+from jax_fa4 import _registry, _sharding, _vjp
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -111,7 +111,9 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         softmax_scale=softmax_scale, return_lse=return_lse, alignment=alignment,
         window=window, softcap=softcap, sinks=sinks)
     spec = _choose_path(spec, implementation)
-    # No kernel takes varlen yet, so _choose_path always picks the reference.
+    # No kernel takes varlen yet, so _choose_path always picks the reference. The packed
+    # axis is the sequence to guard: a unit batch axis gives the guard its layout.
+    q, k, v = (x[0] for x in _sharding.guard(spec, q[None], k[None], v[None]))
     out, lse = reference_attention_varlen(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
         **spec.reference_options())
@@ -175,6 +177,7 @@ def _choose_path(spec: AttentionSpec, implementation) -> AttentionSpec:
 def _run(spec: AttentionSpec, q, k, v, **arrays):
     if spec.path == "reference":
         # Handles empty problems itself: rows that see no key.
+        q, k, v = _sharding.guard(spec, q, k, v)
         return reference_attention(q, k, v, **spec.reference_options(), **arrays)
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]

@@ -10,6 +10,11 @@ LSE). A sharded head_dim, or a sequence sharded unlike q's, would need XLA to ga
 whole arrays; rather than let it do that silently, partitioning fails with an error that
 names the sharded axis and what to use instead.
 
+The pure-JAX reference path (features the kernels lack, float32) is plain jnp, which XLA
+would partition over a sharded sequence by gathering K/V on every device. `guard` runs
+its q, k, v through an identity under the same rule, which passes batch and head
+sharding through and refuses a sharded sequence.
+
 `custom_partitioning` has no batching rule, so `custom_vmap` folds vmapped axes into the
 batch dimension (exact, since batch elements are independent) and calls it again.
 """
@@ -48,18 +53,22 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
                      "b {hq} sq -> b sq {hq} d, b sk h d, b sk h e")
 
 
+GUARD = Signature(("q", "k", "v"), ("q", "k", "v"),
+                  "b sq {hq} d, b sk h d, b sk h e -> b sq {hq} d, b sk h d, b sk h e")
+
+
 def sharded(fn, signature: Signature, ring):
     """fn(spec, *operands) -> results, every operand and result batch-first, made
     partitionable over batch and heads (and the sequence, through
-    ring(fn, spec, axis_name, *operands) on each device) and batchable by vmap.
-    Returns f(spec) -> op(*operands)."""
+    ring(fn, spec, axis_name, *operands) on each device; ring None refuses a sharded
+    sequence) and batchable by vmap. Returns f(spec) -> op(*operands)."""
 
     def shardings(spec, mesh, arg_shapes, names):
-        axes = _axes(signature, spec, mesh, arg_shapes)
+        axes = _axes(signature, spec, mesh, arg_shapes, ring is not None)
         return tuple(NamedSharding(mesh, _partition_spec(name, *axes)) for name in names)
 
     def partition(spec, mesh, arg_shapes, result_shape):
-        _, _, seq = _axes(signature, spec, mesh, arg_shapes)
+        _, _, seq = _axes(signature, spec, mesh, arg_shapes, ring is not None)
         per_device = (functools.partial(fn, spec) if seq is None
                       else functools.partial(ring, fn, spec, seq))
         return (mesh, per_device,
@@ -102,6 +111,27 @@ def sharded(fn, signature: Signature, ring):
     return for_spec
 
 
+def _identity(spec, *operands):
+    return operands
+
+
+_guarded = sharded(_identity, GUARD, None)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def guard(spec, q, k, v):
+    """(q, k, v) unchanged, for the reference path: under a sharded `jit`, batch and
+    head shardings pass through and a sharded sequence raises (with the reason the call
+    runs the reference) instead of letting XLA gather K/V. Linear, so differentiable in
+    both modes."""
+    return _guarded(spec)(q, k, v)
+
+
+@guard.defjvp
+def _guard_jvp(spec, primals, tangents):
+    return guard(spec, *primals), tangents
+
+
 def vary_like(refs, values):
     """Inside shard_map, type `values` (a tuple) as varying over every manual mesh axis
     that one of the arrays `refs` varies over, as computing them from `refs` with jnp
@@ -130,13 +160,13 @@ def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
     return PartitionSpec(batch, seq, heads, None)
 
 
-def _axes(signature: Signature, spec, mesh, arg_shapes):
+def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
-    refused: a sharded head_dim, a sequence sharded differently from q's, windows and
-    causal rings over query and key sequences of different lengths over a sharded
-    sequence, and a head sharding that does not split the key/value heads (the second
-    operand) into whole groups."""
+    refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
+    sequence without a ring, windows and causal rings over query and key sequences of
+    different lengths over a sharded sequence, and a head sharding that does not split
+    the key/value heads (the second operand) into whole groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
@@ -153,6 +183,14 @@ def _axes(signature: Signature, spec, mesh, arg_shapes):
                 f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
+    if seq is not None and not ring:
+        reason = (spec.kernel_support()[1]
+                  or "implementation='reference', or a GPU the kernels do not run on")
+        raise NotImplementedError(
+            f"jax_fa4.attention: this call runs the pure-JAX reference ({reason}), which "
+            f"is not partitioned over a sequence sharded along {seq!r}: XLA would gather "
+            "K/V on every device. Shard batch or heads, or call jax_fa4.ring_attention "
+            "inside jax.shard_map.")
     if seq is not None and spec.window != (None, None):
         raise NotImplementedError(
             f"jax_fa4.attention: a window over a sequence sharded along {seq!r} is not "

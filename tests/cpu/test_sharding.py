@@ -1,7 +1,8 @@
 """Sharded jit on 8 CPU devices: the kernel path (forward and backward) partitions over
 batch and heads with no collectives and over the sequence with ring attention (only
 collective-permutes), equals the unsharded result, and refuses head_dim sharding and
-sequences sharded unlike q's; gradients inside shard_map.
+sequences sharded unlike q's; gradients inside shard_map. The reference path (features the
+kernels lack) partitions over batch and heads and refuses a sharded sequence.
 
 The `built` fixture selects the kernel path; on CPU its per-platform forward and backward
 run the reference, which stands in for the kernels inside each shard.
@@ -295,3 +296,58 @@ def test_gqa_sequence_sharding_runs_the_ring(built, mesh):
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=3e-2)
+
+
+REFERENCE_CALLS = {
+    "float32": (jnp.float32, {}),
+    "softcap": (jnp.bfloat16, {"softcap": 30.0}),
+    "forced": (jnp.bfloat16, {"implementation": "reference"}),
+}
+
+
+@pytest.mark.parametrize("name", REFERENCE_CALLS)
+def test_reference_path_refuses_a_sharded_sequence(mesh, name):
+    # The reference is plain jnp: over a sharded sequence XLA would gather K/V on every
+    # device, so the call is refused, forward and backward, naming why it runs there.
+    dtype, options = REFERENCE_CALLS[name]
+    q, k, v, dout = inputs(sk=24, dtype=dtype)
+    shard = NamedSharding(mesh, P("data", "model", None, None))
+    fwd = jax.jit(functools.partial(jax_fa4.attention, causal=True, **options),
+                  in_shardings=(shard,) * 3)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(
+        jax_fa4.attention(q, k, v, **options).astype(jnp.float32))), in_shardings=(shard,) * 3)
+    for fn in (fwd, grad):
+        with pytest.raises(Exception, match="runs the pure-JAX reference .* not partitioned"):
+            fn.lower(q, k, v).compile()
+
+
+@pytest.mark.parametrize("name", REFERENCE_CALLS)
+def test_reference_path_partitions_over_batch_and_heads(mesh, name):
+    dtype, options = REFERENCE_CALLS[name]
+    q, k, v, dout = inputs(dtype=dtype)
+    shard = NamedSharding(mesh, P("data", None, "model", None))
+
+    def loss(q, k, v, dout):
+        out = jax_fa4.attention(q, k, v, causal=True, **options)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=(shard,) * 4)
+    text = compiled_text(step, q, k, v, dout)
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    assert scalar_all_reduces(text)
+    value, grads = step(q, k, v, dout)
+    ref_value, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        assert_same(g, r)
+
+
+def test_varlen_refuses_a_sharded_packed_axis(mesh):
+    q, k, v, _ = inputs(b=1, sk=24, dtype=jnp.float32)
+    cu = jnp.array([0, 10, 24], jnp.int32)
+    shard = NamedSharding(mesh, P("model", None, None))
+    fwd = jax.jit(functools.partial(jax_fa4.attention_varlen, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                    max_seqlen_q=14, max_seqlen_k=14),
+                  in_shardings=(shard,) * 3)
+    with pytest.raises(Exception, match="runs the pure-JAX reference"):
+        fwd.lower(q[0], k[0], v[0]).compile()
