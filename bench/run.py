@@ -5,6 +5,7 @@
     python -m bench.run --passes fwd,bwd,bwd_det          # forward and both backwards
     python -m bench.run --hdims 128 --heads 32 --heads-kv 8   # GQA 32 / 8
     python -m bench.run --seqlens 16384 --causal true --window 1024   # sliding window
+    python -m bench.run --hdims 128 --softcap 30 --backends jax_fa4   # softcap (jax_fa4 only)
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -46,16 +47,19 @@ def load_anchors():
 
 
 def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
-            h_kv=None, window_left=None):
+            h_kv=None, window_left=None, softcap=None):
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
-    causal sliding window over window_left + 1 keys). The backward is timed as a whole
-    vjp (which re-runs the forward) minus `fwd_ms`, the convention of the anchors."""
+    causal sliding window over window_left + 1 keys; scores capped at softcap). The
+    backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
+    convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
     q, dout = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys[:2])
     k, v = (jax.random.normal(key, (b, s, h_kv or h, d), dtype) for key in keys[2:])
     options = {"deterministic": True} if mode == "bwd_det" else {}
     if window_left is not None:
         options["window_left"] = window_left
+    if softcap is not None:
+        options["softcap"] = softcap
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         ms = timer(attn, q, k, v, iterations=iterations)
@@ -80,6 +84,8 @@ def main():
     ap.add_argument("--window", type=int,
                     help="causal sliding window: each query sees itself and the WINDOW "
                          "keys before it (needs --causal true)")
+    ap.add_argument("--softcap", type=float,
+                    help="logit soft-capping at this value (backends without it: '-')")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--passes", default="fwd",
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
@@ -103,14 +109,18 @@ def main():
         ap.error(f"--causal takes false, true; got {args.causal!r}")
     if args.window is not None and (masks != ["true"] or args.window < 0):
         ap.error("--window takes a non-negative size, with --causal true")
+    if args.softcap is not None and not args.softcap > 0:
+        ap.error("--softcap takes a value > 0")
     dtype = getattr(jnp, args.dtype)
     # The anchors are for the standard shapes only (all heads, 2048 / head_dim of them).
-    anchors = {} if args.heads or args.heads_kv or args.window is not None else load_anchors()
+    standard = not (args.heads or args.heads_kv or args.window is not None or args.softcap)
+    anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
     shape = "".join([f", {args.heads} query heads" if args.heads else "",
                      f", {args.heads_kv} K/V heads" if args.heads_kv else "",
-                     f", sliding window {args.window}" if args.window is not None else ""])
+                     f", sliding window {args.window}" if args.window is not None else "",
+                     f", softcap {args.softcap:g}" if args.softcap else ""])
     print(f"# {device}, jax {jax.__version__}, {args.dtype}, timing: {method}{shape}")
     header = ["pass", "d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
     header += ["fa4/best peer", f"{ANCHOR_BACKEND} (anchor)"]
@@ -135,13 +145,14 @@ def main():
                                        causal=causal, mode=mode, timing=method, device=device,
                                        **({"h_kv": h_kv} if h_kv != h else {}),
                                        **({"window": args.window}
-                                          if args.window is not None else {}))
+                                          if args.window is not None else {}),
+                                       **({"softcap": args.softcap} if args.softcap else {}))
                             try:
                                 if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
                                                    args.iterations, mode, fwd.get(be), h_kv,
-                                                   args.window))
+                                                   args.window, args.softcap))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]

@@ -10,7 +10,8 @@
 //   sem (..., H, Sq_pad / tile_m * consumers) int32; Sq_pad = Sq rounded up to tile_m.
 // Attributes: causal (bool: the banded kernel), softmax_scale (f32), deterministic
 // (bool: dq accumulated in a fixed order, bitwise reproducible; otherwise with atomic
-// adds), window_left / window_right / top_left (the band, as for jax_fa4_fwd).
+// adds), window_left / window_right / top_left (the band) and softcap, as for
+// jax_fa4_fwd.
 //
 // Stages, as for jax_fa4_fwd: INITIALIZE checks the device and loads the selected
 // kernel's module (once per process, outside any CUDA-graph capture); EXECUTE only
@@ -62,7 +63,7 @@ bool HasDims(const ffi::AnyBuffer& x, ffi::AnyBuffer::Dimensions ref, size_t lea
 }
 
 // Validates the operands and picks the kernel; shared by both stages.
-ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal) {
+ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap) {
   auto qd = x.q.dimensions(), kd = x.k.dimensions();
   const std::string shapes = x.Describe();
   if (qd.size() < 3 || kd.size() != qd.size())
@@ -93,12 +94,16 @@ ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal) {
   const std::optional<Dtype> dtype = KernelDtype(type);
   if (!dtype)
     return ffi::Error::InvalidArgument("jax_fa4_bwd: dtype must be bf16 or fp16: " + shapes);
-  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), causal);
+  if (!ValidSoftcap(softcap, causal))
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: softcap must be finite and >= 0, and "
+                                       "> 0 only with causal (the banded kernel)");
+  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_bwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        std::to_string(p.head_dim) +
-                                       (causal ? ", causal" : ", non-causal") + ": " + shapes);
+                                       (causal ? ", causal" : ", non-causal") +
+                                       (softcap > 0.0f ? ", softcap" : "") + ": " + shapes);
   p.workspace = WorkspaceExtents(*p.kernel, p.seqlen_q);
   return p;
 }
@@ -122,8 +127,8 @@ ffi::Error BwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                          ffi::AnyBuffer dlse, ffi::RemainingRets /*dq, ..., sem*/, bool causal,
                          float /*softmax_scale*/, bool /*deterministic*/,
                          int32_t /*window_left*/, int32_t /*window_right*/,
-                         bool /*top_left*/) {
-  auto problem = Select({q, k, v, out, dout, lse, dlse}, causal);
+                         bool /*top_left*/, float softcap) {
+  auto problem = Select({q, k, v, out, dout, lse, dlse}, causal, softcap);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_bwd", *problem->kernel, device);
 }
@@ -135,9 +140,10 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::Result<ffi::AnyBuffer> lse2, ffi::Result<ffi::AnyBuffer> dsum,
                       ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> sem,
                       bool causal, float softmax_scale, bool deterministic,
-                      int32_t window_left, int32_t window_right, bool top_left) {
+                      int32_t window_left, int32_t window_right, bool top_left,
+                      float softcap) {
   const BwdOperands operands{q, k, v, out, dout, lse, dlse};
-  auto problem = Select(operands, causal);
+  auto problem = Select(operands, causal, softcap);
   if (problem.has_error()) return problem.error();
   const BwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_bwd[") + p.kernel->name + "] " +
@@ -209,7 +215,8 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                softmax_scale,
                deterministic ? 1 : 0,
                band.lo,
-               band.hi};
+               band.hi,
+               SoftcapScale(softmax_scale, softcap)};
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
@@ -232,7 +239,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdInitialize, jax_fa4::BwdInitialize,
                                   .Attr<bool>("deterministic")    // unused here
                                   .Attr<int32_t>("window_left")   // unused here
                                   .Attr<int32_t>("window_right")  // unused here
-                                  .Attr<bool>("top_left"));       // unused here
+                                  .Attr<bool>("top_left")         // unused here
+                                  .Attr<float>("softcap"));       // selects the kernel
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                               ffi::Ffi::Bind()
@@ -257,5 +265,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                                   .Attr<bool>("deterministic")
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
-                                  .Attr<bool>("top_left"),
+                                  .Attr<bool>("top_left")
+                                  .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

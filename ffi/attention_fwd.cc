@@ -4,7 +4,8 @@
 // leading dimension is folded into the batch (so vmap can add axes). Results: out like
 // q, lse (..., H, Sq) fp32. Attributes: causal (bool: the banded kernel),
 // softmax_scale (f32), window_left / window_right (i32, < 0: unbounded; causal is a
-// right side of 0), top_left (bool: the band's alignment; else bottom-right).
+// right side of 0), top_left (bool: the band's alignment; else bottom-right), softcap
+// (f32, 0: none; else the banded kernel's softcap variant).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module (once per
 // process, outside any CUDA-graph capture); EXECUTE only launches on XLA's stream, so
@@ -36,7 +37,7 @@ struct FwdProblem {
 
 // Validates the operands and picks the kernel; shared by both stages.
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                const ffi::AnyBuffer& v, bool causal) {
+                                const ffi::AnyBuffer& v, bool causal, float softcap) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
   if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
@@ -62,19 +63,24 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   const std::optional<Dtype> dtype = KernelDtype(q.element_type());
   if (!dtype)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: dtype must be bf16 or fp16: " + shapes);
-  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), causal);
+  if (!ValidSoftcap(softcap, causal))
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
+                                       "> 0 only with causal (the banded kernel)");
+  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        std::to_string(p.head_dim) +
-                                       (causal ? ", causal" : ", non-causal") + ": " + shapes);
+                                       (causal ? ", causal" : ", non-causal") +
+                                       (softcap > 0.0f ? ", softcap" : "") + ": " + shapes);
   return p;
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::RemainingRets /*out, lse*/, bool causal, float /*softmax_scale*/,
-                         int32_t /*window_left*/, int32_t /*window_right*/, bool /*top_left*/) {
-  auto problem = Select(q, k, v, causal);
+                         int32_t /*window_left*/, int32_t /*window_right*/, bool /*top_left*/,
+                         float softcap) {
+  auto problem = Select(q, k, v, causal, softcap);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -82,8 +88,9 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
                       ffi::Result<ffi::Buffer<ffi::F32>> lse, bool causal, float softmax_scale,
-                      int32_t window_left, int32_t window_right, bool top_left) {
-  auto problem = Select(q, k, v, causal);
+                      int32_t window_left, int32_t window_right, bool top_left,
+                      float softcap) {
+  auto problem = Select(q, k, v, causal, softcap);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
@@ -122,7 +129,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(p.heads_kv),
                softmax_scale * kLog2e,
                band.lo,
-               band.hi};
+               band.hi,
+               SoftcapScale(softmax_scale, softcap)};
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
@@ -140,7 +148,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Attr<float>("softmax_scale")   // unused here
                                   .Attr<int32_t>("window_left")   // unused here
                                   .Attr<int32_t>("window_right")  // unused here
-                                  .Attr<bool>("top_left"));       // unused here
+                                  .Attr<bool>("top_left")         // unused here
+                                  .Attr<float>("softcap"));       // selects the kernel
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -155,5 +164,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
-                                  .Attr<bool>("top_left"),
+                                  .Attr<bool>("top_left")
+                                  .Attr<float>("softcap"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <initializer_list>
 #include <limits>
@@ -41,6 +42,16 @@ inline Band MakeBand(int64_t seqlen_q, int64_t seqlen_k, int64_t left, int64_t r
   };
   return {left < 0 ? clamp(-kBandLimit) : clamp(offset - left),
           right < 0 ? clamp(kBandLimit) : clamp(offset + right)};
+}
+
+// Softcap kernels take softmax_scale / softcap (kernels/sm90/softcap.py); softcap 0
+// means none. Valid: finite and >= 0, and > 0 only with the banded kernel (the one
+// variant built with softcap).
+inline bool ValidSoftcap(float softcap, bool banded) {
+  return std::isfinite(softcap) && softcap >= 0.0f && (softcap == 0.0f || banded);
+}
+inline float SoftcapScale(float softmax_scale, float softcap) {
+  return softcap > 0.0f ? softmax_scale / softcap : 1.0f;
 }
 
 // GQA/MQA: every group of heads / heads_kv query heads shares one key/value head.

@@ -84,10 +84,12 @@ bool IsLoadedAt(int slot) {
 
 template <typename Args>
 const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head_dim,
-                         bool causal) {
+                         bool causal, bool softcap) {
   for (int i = 0; i < n; ++i) {
     const Kernel<Args>& k = table[i];
-    if (k.dtype == dtype && k.head_dim == head_dim && k.causal == causal) return &k;
+    if (k.dtype == dtype && k.head_dim == head_dim && k.causal == causal &&
+        k.softcap == softcap)
+      return &k;
   }
   return nullptr;
 }
@@ -96,12 +98,12 @@ const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head
 
 const char* DtypeName(Dtype dtype) { return dtype == Dtype::kBF16 ? "bf16" : "fp16"; }
 
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal) {
-  return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, causal);
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap) {
+  return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, causal, softcap);
 }
 
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal) {
-  return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, causal);
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap) {
+  return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, causal, softcap);
 }
 
 BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q) {

@@ -31,6 +31,7 @@ struct FwdArgs {
   float scale_log2;  // softmax_scale * log2(e)
   int32_t band_lo;   // banded kernels: key j visible from row i iff band_lo <= j - i
   int32_t band_hi;   // ... <= band_hi (handler_common.h MakeBand); others ignore both
+  float softcap_scale;  // softcap kernels: softmax_scale / softcap; others ignore it
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
@@ -66,6 +67,7 @@ struct BwdArgs {
   int32_t deterministic;  // 1: dq accumulated in a fixed order (bitwise reproducible)
   int32_t band_lo;        // as in FwdArgs
   int32_t band_hi;
+  float softcap_scale;    // as in FwdArgs
 };
 
 // One exported kernel: its configuration (kernels/config.py) and entry points.
@@ -75,7 +77,8 @@ struct Kernel {
   const char* arch;
   Dtype dtype;
   int head_dim;
-  bool causal;
+  bool causal;   // the banded variant (runtime band)
+  bool softcap;  // scores capped as softcap * tanh(scores / softcap); banded only
   int tile_m;
   int tile_n;
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
@@ -93,8 +96,8 @@ extern const int kNumBwdKernels;
 const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal);
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal);
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap);
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap);
 
 // Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),
 // dq_accum and sem, each (batch, heads, extent).

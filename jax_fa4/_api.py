@@ -65,9 +65,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
         and raises NotImplementedError with the reason when it cannot run here (the
-        kernels do not support Dv != D, segment ids, lengths or
-        softcap yet: those calls always run the reference; sinks are applied to the
-        kernels' out and lse); "reference" forces the reference.
+        kernels do not support Dv != D, segment ids or lengths yet: those calls always
+        run the reference; sinks are applied to the kernels' out and lse); "reference"
+        forces the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
     dv (and dsinks). Where the forward runs the kernel, so does the backward kernel

@@ -103,13 +103,14 @@ def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, s
 
 def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_scale: float,
                        compute_dtype=jnp.float32, alignment: str = "bottom_right",
-                       window=None):
+                       window=None, softcap: float | None = None):
     """The FlashAttention backward from the forward's out and lse: the contract of the
     backward kernels, the backward of configurations without one, and the oracle of their
     tests.
 
     With S = Q K^T, P = exp(scale * S - lse), dP = dO V^T, D = rowsum(dO * O) - dlse and
-    dS = P * (dP - D):  dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO.
+    dS = P * (dP - D):  dQ = scale * dS K,  dK = scale * dS^T Q,  dV = P^T dO. With
+    softcap c, P = exp(c tanh(scale * S / c) - lse) and dS carries the slope 1 - tanh^2.
     q, out, dout (..., Sq, H, D); k, v (..., Sk, Hkv, D) with Hkv dividing H (GQA/MQA:
     dk, dv sum over each group of query heads); lse, dlse (..., H, Sq). Causal and window
     use `alignment` as in `reference_attention`; rows with lse = -inf (no visible key)
@@ -147,6 +148,10 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
     q_, out_, dout_ = (grouped(f32(x)) for x in (q, out, dout))
     lse, dlse = rows(lse), rows(dlse)
     s = mm(f"...qh{g}d,...khd->...h{g}qk", q_, f32(k)) * scale
+    slope = 1.0
+    if softcap is not None:
+        t = jnp.tanh(s / jnp.float32(softcap))
+        s, slope = jnp.float32(softcap) * t, rnd(1.0 - t * t)
     seen = jnp.isfinite(lse)[..., None]
     mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment=alignment,
                          window=window).mask
@@ -154,7 +159,7 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
     p = rnd(jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0))
     dp = mm(f"...qh{g}d,...khd->...h{g}qk", dout_, f32(v))
     d = rnd(mm(f"...qh{g}d,...qh{g}d->...h{g}q", dout_, out_) - f32(dlse))
-    ds = rnd(p * (dp - d[..., None]))
+    ds = rnd(p * (dp - d[..., None]) * slope)
     dq = mm(f"...h{g}qk,...khd->...qh{g}d", ds, f32(k)) * scale
     dk = mm(f"...h{g}qk,...qh{g}d->...khd", ds, q_) * scale
     dv = mm(f"...h{g}qk,...qh{g}d->...khd", p, dout_)

@@ -32,12 +32,14 @@ def manifest() -> list[dict]:
     return [dict(entry) for entry in _MANIFEST]
 
 
-def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool) -> dict | None:
+def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool,
+                softcap: bool = False) -> dict | None:
     """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd") and
     configuration, None if there is none."""
-    key = (kind, dtype, head_dim, causal)
+    key = (kind, dtype, head_dim, causal, softcap)
     for entry in _MANIFEST:
-        if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"]) == key:
+        if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"],
+                entry.get("softcap", False)) == key:
             return dict(entry)
     return None
 

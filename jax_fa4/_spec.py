@@ -144,9 +144,10 @@ class AttentionSpec:
 
     @property
     def banded(self) -> bool:
-        """Whether a band limits the keys a query sees (causal or a window): the kernel
-        variant with a runtime band (kernels/sm90/mask.py)."""
-        return self.causal or self.window != (None, None)
+        """Whether this runs the kernel variant with a runtime band (kernels/sm90/mask.py):
+        a band limits the keys a query sees (causal or a window), or softcap, which is
+        built into that variant only (an unbounded band stands for no mask)."""
+        return self.causal or self.window != (None, None) or self.softcap is not None
 
     @property
     def window(self) -> tuple[int | None, int | None]:
@@ -178,7 +179,8 @@ class AttentionSpec:
     def _find_kernel(self, kind: str) -> dict | None:
         if self.kernel_dtype is None:
             return None
-        return _registry.find_kernel(kind, self.kernel_dtype, self.head_dim, self.banded)
+        return _registry.find_kernel(kind, self.kernel_dtype, self.head_dim, self.banded,
+                                     self.softcap is not None)
 
     def feature_reason(self) -> str:
         """Why the kernels cannot take this spec's features; "" when they can."""
@@ -188,7 +190,6 @@ class AttentionSpec:
              f"head_dim_v != head_dim (D={self.head_dim}, Dv={self.head_dim_v})"),
             (self.has_segment_ids, "segment ids"),
             (self.has_q_lengths or self.has_kv_lengths, "q_lengths / kv_lengths"),
-            (self.softcap is not None, "softcap"),
             # Sinks are no gap: the kernel paths add them to the kernels' out and lse.
         )
         entry = "attention_varlen" if self.varlen else "attention"
@@ -215,7 +216,8 @@ class AttentionSpec:
                             if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)})
             return False, (
                 f"no compiled kernel for dtype={self.kernel_dtype} head_dim={self.head_dim} "
-                f"mask={'causal/window' if self.banded else 'none'}; head_dims built for "
+                f"mask={'causal/window' if self.banded else 'none'}"
+                f"{' softcap' if self.softcap is not None else ''}; head_dims built for "
                 f"{self.kernel_dtype}: {built}"
             )
         return True, ""
@@ -223,15 +225,16 @@ class AttentionSpec:
     def ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_fwd` custom call: causal (the banded kernel) -> i1,
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
-        unbounded; causal is a right side of 0) and top_left -> i1 (ffi/handler_common.h
-        MakeBand)."""
+        unbounded; causal is a right side of 0), top_left -> i1 (ffi/handler_common.h
+        MakeBand) and softcap -> f32 (0: none)."""
         def side(value):  # < 2^31 (_band); MakeBand clamps the band to +-2^30
             return np.int32(-1 if value is None else value)
 
         return {"causal": self.banded, "softmax_scale": np.float32(self.softmax_scale),
                 "window_left": side(self.window_left),
                 "window_right": side(0 if self.causal else self.window_right),
-                "top_left": self.alignment == "top_left"}
+                "top_left": self.alignment == "top_left",
+                "softcap": np.float32(self.softcap or 0.0)}
 
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's and deterministic -> i1."""

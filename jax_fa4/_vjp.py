@@ -26,7 +26,7 @@ def _reference(spec: AttentionSpec, q, k, v):
 def _reference_backward(spec: AttentionSpec, q, k, v, out, dout, lse, dlse):
     return reference_backward(q, k, v, out, lse, dout, dlse, causal=spec.causal,
                               softmax_scale=spec.softmax_scale, alignment=spec.alignment,
-                              window=spec.window)
+                              window=spec.window, softcap=spec.softcap)
 
 
 def _on_platform(spec: AttentionSpec, kernel, reference, *args):

@@ -64,6 +64,10 @@ class _KernelConfig:
     head_dim: int
     causal: bool
     arch: str = "sm_90a"
+    # Logit soft-capping, c * tanh(s / c) with a runtime c: banded variants only (a call
+    # without a mask runs them with an unbounded band), so that it adds one kernel per
+    # (dtype, head_dim) and direction rather than two.
+    softcap: bool = False
 
     kind = ""
 
@@ -74,12 +78,15 @@ class _KernelConfig:
             raise ValueError(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
+        if self.softcap and not self.causal:
+            raise ValueError("softcap kernels are banded: they need causal=True")
 
     @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
         arch = self.arch.removesuffix("a").replace("_", "")
-        return f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_{mask}"
+        cap = "_softcap" if self.softcap else ""
+        return f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_{mask}{cap}"
 
     def manifest_entry(self) -> dict:
         """The record the native module exposes for this kernel."""
@@ -90,6 +97,7 @@ class _KernelConfig:
             "dtype": self.dtype,
             "head_dim": self.head_dim,
             "causal": self.causal,
+            "softcap": self.softcap,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
         }
@@ -147,12 +155,14 @@ class BwdConfig(_KernelConfig):
         return {**super().manifest_entry(), "dq_parts": self.tile.dq_parts}
 
 
+# (causal, softcap) of the variants built per (dtype, head_dim).
+_VARIANTS = ((False, False), (True, False), (True, True))
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(dtype=d, head_dim=h, causal=c)
-    for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
+    FwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap)
+    for d, h, (c, cap) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
-    BwdConfig(dtype=d, head_dim=h, causal=c)
-    for d, h, c in itertools.product(DTYPES, HEAD_DIMS, (False, True))
+    BwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap)
+    for d, h, (c, cap) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
 )
 MANIFEST = FWD_MANIFEST + BWD_MANIFEST

@@ -87,9 +87,10 @@ TENSORS = {
 }
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
 SCALARS = {
-    "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi")),
+    "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi"),
+            ("float", "softcap_scale")),
     "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic"),
-            ("int32_t", "band_lo"), ("int32_t", "band_hi")),
+            ("int32_t", "band_lo"), ("int32_t", "band_hi"), ("float", "softcap_scale")),
 }
 STRUCT = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
 
@@ -137,13 +138,14 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     t0 = time.time()
     if cfg.kind == "fwd":
-        kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0))
+        kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0))
     else:
         from kernels.sm90.bwd import BwdSm90
         from kernels.sm90.bwd_split import BwdSm90SplitD
 
         kind = BwdSm90SplitD if cfg.tile.split_head_dim else BwdSm90
-        kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(0))
+        kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(0),
+                                      Float32(1.0))
     params = TENSORS[cfg.kind]
     # One runtime size per name: batch, heads and each extent of `params`. The backward's
     # workspace extents are whole query tiles (WorkspaceExtents in ffi/kernel_table.cc):
@@ -238,9 +240,9 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            causal = "true" if cfg.causal else "false"
+            causal, softcap = ("true" if flag else "false" for flag in (cfg.causal, cfg.softcap))
             lines.append(
-                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, '
+                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, {softcap}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

@@ -7,6 +7,8 @@ forward's O and natural-log LSE and the cotangents dO, dLSE:
     Dsum_i = sum_d dO_id O_id - dLSE_i
     dV = P^T dO,   dS = P * (dO V^T - Dsum),   dK = s * dS^T Q,   dQ = s * dS K
 Invisible elements (kernels/sm90/mask.py) have P = 0; a row with LSE = -inf has P = 0.
+Softcap variants (banded, runtime cap c; kernels/sm90/softcap.py): P comes from the
+capped scores, and dS = P * (dP - Dsum) * (1 - tanh^2(s * S / c)).
 
 Operands (legend in kernels/README.md): mQ, mO, mdO, mdQ (B, Sq, H, D); mK, mV, mdK,
 mdV (B, Sk, Hkv, D), Hkv dividing H (GQA/MQA: query head h reads K/V head
@@ -54,7 +56,7 @@ from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import BwdConfig
-from kernels.sm90 import mask, wgmma
+from kernels.sm90 import mask, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 
 WARPGROUP = 128
@@ -96,6 +98,7 @@ class BwdSm90:
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.causal = cfg.causal
+        self.softcap = cfg.softcap
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.q_stages = cfg.tile.q_stages
@@ -128,6 +131,7 @@ class BwdSm90:
         deterministic: Int32,
         band_lo: Int32,
         band_hi: Int32,
+        softcap_scale: Float32,
         stream: cuda.CUstream,
     ):
         batch, seqlen_q, heads, _ = mQ.shape
@@ -137,7 +141,7 @@ class BwdSm90:
         )
         self._launch_main(
             mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
-            scale_log2, scale, deterministic, band_lo, band_hi, stream,
+            scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
         )
         self.postprocess(mdQaccum, mdQ, scale).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
@@ -245,7 +249,7 @@ class BwdSm90:
     @cute.jit
     def _launch_main(
         self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
-        scale_log2, scale, deterministic, band_lo, band_hi, stream,
+        scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
     ):
         dt, d = self.dtype, self.head_dim
         q, k, v, do = _seq_major(mQ), _seq_major(mK), _seq_major(mV), _seq_major(mdO)
@@ -307,7 +311,7 @@ class BwdSm90:
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
             tma_atom_dv, tma_dv, mdQaccum, mSem, scale_log2, scale, deterministic,
-            band_lo, band_hi, sQ_layout, sK_layout, sV_layout, sdS_layout,
+            band_lo, band_hi, softcap_scale, sQ_layout, sK_layout, sV_layout, sdS_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _storage(self, sQ_layout, sK_layout, sV_layout, sdS_layout):
@@ -358,6 +362,7 @@ class BwdSm90:
         deterministic: Int32,
         band_lo: Int32,
         band_hi: Int32,
+        softcap_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -424,7 +429,7 @@ class BwdSm90:
                 sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full,
                 q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
                 n_block, kv_head, heads, batch, m_begin, m_end, masked_front, masked_back,
-                seqlen_k, band_lo, band_hi, mdQaccum, mSem, deterministic,
+                seqlen_k, band_lo, band_hi, softcap_scale, mdQaccum, mSem, deterministic,
             )
 
     def _ring(self, barriers):
@@ -567,7 +572,7 @@ class BwdSm90:
         c: Int32, tidx: Int32, warp: Int32,
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         masked_front: Int32, masked_back: Int32,
-        seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
+        seqlen_k: Int32, band_lo: Int32, band_hi: Int32, softcap_scale: Float32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
         """Consumer c's loop over the group's query heads and their query tiles; the dQ
@@ -623,7 +628,7 @@ class BwdSm90:
                         is_masked, m, (head - head0) + (m - m_begin), frags, s_shape,
                         coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t,
                         sdQ_c, sLSE2, sDsum, scale_log2, q_consumer, do_consumer, c, tidx,
-                        key0, seqlen_k, band_lo, band_hi,
+                        key0, seqlen_k, band_lo, band_hi, softcap_scale,
                     )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
@@ -640,6 +645,7 @@ class BwdSm90:
         s_shape, coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c,
         sLSE2, sDsum, scale_log2: Float32, q_consumer, do_consumer,
         c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
+        softcap_scale: Float32,
     ):
         """One query tile: five GEMMs, P and dS in registers, dQ partial staged.
         staged_before > 0 when this CTA staged a dQ partial before (the writer must
@@ -656,6 +662,10 @@ class BwdSm90:
 
         warpgroup.wait_group(1)  # S^T
         s_rc = rows_cols(acc_s)
+        # Softcap: the cap's slope waits in r_ds (free until dS), in the input dtype.
+        ds_rc = rows_cols(r_ds)
+        if cutlass.const_expr(self.softcap):
+            softcap.cap_scores_and_slope(s_rc, ds_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
             mask.mask_block_kq(
                 s_rc, coord_s, key0, m * self.tile_m, seqlen_k, band_lo, band_hi, self.causal
@@ -672,7 +682,10 @@ class BwdSm90:
         for col in cutlass.range_constexpr(cute.size(dp_rc, mode=[1])):
             dsum = sDsum[coord_s[0, col][1], stage]
             for r in cutlass.range_constexpr(cute.size(dp_rc, mode=[0])):
-                dp_rc[r, col] = s_rc[r, col] * (dp_rc[r, col] - dsum)
+                ds = s_rc[r, col] * (dp_rc[r, col] - dsum)
+                if cutlass.const_expr(self.softcap):
+                    ds = ds * ds_rc[r, col].to(Float32)
+                dp_rc[r, col] = ds
         r_ds.store(acc_dp.load().to(self.dtype))
         wgmma.gemm(self._dkv_mma(), acc_dk, ds_op, frags.q_t[None, None, None, stage], False)
 

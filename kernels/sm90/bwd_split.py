@@ -8,6 +8,9 @@ memory. So both consumers work on the same 64 keys, each on 128 of the head dims
 
     consumer 0:  S^T = K Q^T    -> P^T (mask, exp2)     -> shared     (P_READY)
     consumer 1:  dP^T = V dO^T  -> dS^T = P^T (dP^T - Dsum) -> shared (DS_READY)
+
+Softcap variants: consumer 0 also stages P^T times the cap's slope in dS^T's slot, and
+consumer 1 reads that in place of P^T (kernels/sm90/softcap.py).
     both, from shared P^T and dS^T:
         dV_h += P^T dO_h,   dK_h += dS^T Q_h,   dQ_h = dS K_h
 
@@ -29,7 +32,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from kernels.config import BwdConfig
-from kernels.sm90 import mask, wgmma
+from kernels.sm90 import mask, softcap, wgmma
 from kernels.sm90.bwd import KEYS_PER_CONSUMER, WARPGROUP, BwdSm90, _Fragments
 from kernels.sm90.fragments import rows_cols
 
@@ -59,7 +62,7 @@ class BwdSm90SplitD(BwdSm90):
         c: Int32, tidx: Int32, warp: Int32,
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         masked_front: Int32, masked_back: Int32,
-        seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
+        seqlen_k: Int32, band_lo: Int32, band_hi: Int32, softcap_scale: Float32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
         """Consumer c: its share of S^T / dP^T and half c of the head dims, over the
@@ -105,8 +108,8 @@ class BwdSm90SplitD(BwdSm90):
                     q_consumer, do_consumer = self._split_step(
                         is_masked, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
                         scale_log2, q_consumer, do_consumer, c, tidx, key0,
-                        seqlen_k, band_lo, band_hi, n_block, head, batch, mdQaccum, mSem,
-                        deterministic,
+                        seqlen_k, band_lo, band_hi, softcap_scale, n_block, head, batch,
+                        mdQaccum, mSem, deterministic,
                     )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
@@ -121,7 +124,7 @@ class BwdSm90SplitD(BwdSm90):
         frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum, scale_log2: Float32,
         q_consumer, do_consumer,
         c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        n_block: Int32, head: Int32, batch: Int32,
+        softcap_scale: Float32, n_block: Int32, head: Int32, batch: Int32,
         mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
     ):
         """One query tile; returns the advanced ring consumers."""
@@ -143,6 +146,9 @@ class BwdSm90SplitD(BwdSm90):
             wgmma.gemm(self._sdp_mma(), acc, frags.k, frags.q[None, None, None, stage], True)
             warpgroup.wait_group(0)
             s_rc = rows_cols(acc)
+            slope = cute.make_rmem_tensor(acc.layout, self.dtype)
+            if cutlass.const_expr(self.softcap):
+                softcap.cap_scores_and_slope(s_rc, rows_cols(slope), softcap_scale)
             if cutlass.const_expr(is_masked):
                 mask.mask_block_kq(
                     s_rc, rows_cols(coord), key0, m * tm, seqlen_k, band_lo, band_hi,
@@ -153,13 +159,19 @@ class BwdSm90SplitD(BwdSm90):
                 acc[i] = cute.math.exp2(acc[i] * scale_log2 - lse2, fastmath=True)
             vals.store(acc.load().to(self.dtype))
             wgmma.store_acc(r2s, vals, p_rows, tidx)
+            if cutlass.const_expr(self.softcap):
+                for i in cutlass.range_constexpr(cute.size(acc)):
+                    slope[i] = (acc[i] * slope[i].to(Float32)).to(self.dtype)
+                wgmma.store_acc(r2s, slope, ds_rows, tidx)
             cute.arch.fence_proxy("async.shared", space="cta")
             self._pair_barrier(Barrier.P_READY).arrive()
         else:
             wgmma.gemm(self._sdp_mma(), acc, frags.v, frags.do[None, None, None, stage], True)
             warpgroup.wait_group(0)
             self._pair_barrier(Barrier.P_READY).arrive_and_wait()
-            p_frag = thr_sdp.partition_C(p_rows)
+            # Each thread reads the elements it then overwrites with dS^T: no other thread
+            # writes them (the store follows the fragment layout).
+            p_frag = thr_sdp.partition_C(ds_rows if self.softcap else p_rows)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 dsum = sDsum[coord[i][1], stage]
                 acc[i] = p_frag[i].to(Float32) * (acc[i] - dsum)

@@ -5,11 +5,13 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     LSE_i = log(sum_j exp(s * S_ij)),  natural log; a row with no visible key gives
     O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the causal variant
     takes a runtime band lo <= j - i <= hi: causal, windows, either alignment).
+    Softcap variants (banded) replace s * S_ij by c * tanh(s * S_ij / c) for a runtime
+    cap c (kernels/sm90/softcap.py).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32. B, Sq, Sk and H are
-runtime values, and so are the band's lo and hi; dtype, D and causal are compiled in
-(kernels/config.py).
+runtime values, and so are the band's lo and hi and the softcap; dtype, D, causal and
+softcap are compiled in (kernels/config.py).
 
 One CTA per (tile of tile_m query rows, head, batch); causal grids run the longest
 tiles first. Warpgroup roles:
@@ -41,7 +43,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask, wgmma
+from kernels.sm90 import mask, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -68,6 +70,7 @@ class FwdSm90:
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.causal = cfg.causal
+        self.softcap = cfg.softcap
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
@@ -86,6 +89,7 @@ class FwdSm90:
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
+        softcap_scale: Float32,
         stream: cuda.CUstream,
     ):
         dt, d = self.dtype, self.head_dim
@@ -127,7 +131,7 @@ class FwdSm90:
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, scale_log2, band_lo, band_hi, sQ_layout, sK_layout, sV_layout,
+            lse, scale_log2, band_lo, band_hi, softcap_scale, sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
         )
@@ -147,6 +151,7 @@ class FwdSm90:
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
+        softcap_scale: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -197,7 +202,7 @@ class FwdSm90:
                 sQ, sK, sV, q_full, k_consumer, v_consumer,
                 wg - 1, tidx % WARPGROUP, warp,
                 m_block, head, batch, n_begin, n_end, masked_end, masked_begin,
-                seqlen_q, seqlen_k, band_lo, band_hi,
+                seqlen_q, seqlen_k, band_lo, band_hi, softcap_scale,
             )
 
     def _kv_pipeline(self, barriers, tx_bytes):
@@ -271,6 +276,7 @@ class FwdSm90:
         m_block: Int32, head: Int32, batch: Int32,
         n_begin: Int32, n_end: Int32, masked_end: Int32, masked_begin: Int32,
         seqlen_q: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
+        softcap_scale: Float32,
     ):
         """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range."""
         d, tile_n = self.head_dim, self.tile_n
@@ -309,6 +315,8 @@ class FwdSm90:
             warpgroup.wait_group(0)
             k_handle.release()
             s_rc = rows_cols(acc_s)
+            if cutlass.const_expr(self.softcap):
+                softcap.cap_scores(s_rc, softcap_scale)
             mask.mask_block(
                 s_rc, coord_s, row0, n_last * tile_n, seqlen_k, band_lo, band_hi, self.causal
             )
@@ -321,20 +329,20 @@ class FwdSm90:
                 k_consumer, v_consumer = self._step(
                     True, n_last - 1 - i, thr_qk, s_shape, tSrQ, tSrK, tOrV,
                     tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
-                    c, row0, seqlen_k, band_lo, band_hi,
+                    c, row0, seqlen_k, band_lo, band_hi, softcap_scale,
                 )
             n_whole_top = n_end - masked_end - 1
             for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
                 k_consumer, v_consumer = self._step(
                     False, n_whole_top - i, thr_qk, s_shape, tSrQ,
                     tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                    v_consumer, c, row0, seqlen_k, band_lo, band_hi,
+                    v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale,
                 )
             for i in cutlass.range(masked_begin, unroll=1):
                 k_consumer, v_consumer = self._step(
                     True, n_begin + masked_begin - 1 - i, thr_qk, s_shape, tSrQ,
                     tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                    v_consumer, c, row0, seqlen_k, band_lo, band_hi,
+                    v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale,
                 )
 
             # PV of the last visited block.
@@ -359,6 +367,7 @@ class FwdSm90:
         thr_qk, s_shape, tSrQ, tSrK, tOrV, tOrP, r_p, acc_o, coord_s,
         softmax, o_scale, k_consumer, v_consumer,
         c: Int32, row0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
+        softcap_scale: Float32,
     ):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
         overlapping the PV product (j = n_block; P_{j+1} is in r_p)."""
@@ -373,6 +382,8 @@ class FwdSm90:
         warpgroup.wait_group(1)
         k_handle.release()
         s_rc = rows_cols(acc_s)
+        if cutlass.const_expr(self.softcap):
+            softcap.cap_scores(s_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
             mask.mask_block(
                 s_rc, coord_s, row0, n_block * self.tile_n, seqlen_k, band_lo, band_hi, self.causal

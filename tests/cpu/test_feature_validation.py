@@ -143,12 +143,13 @@ FEATURES = [
     (Q, KV, KV, dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24)), "segment ids"),
     (Q, KV, KV, dict(kv_lengths=ints(2)), "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(q_lengths=ints(2)), "q_lengths / kv_lengths"),
-    (Q, KV, KV, dict(softcap=30.0), "softcap"),
-    # The first gap is named; GQA itself is in the kernels.
-    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0), "softcap"),
+    # The first gap is named; GQA, windows and softcap are in the kernels.
+    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0, kv_lengths=ints(2)),
+     "q_lengths / kv_lengths"),
     (Q, KV, KV, dict(causal=True, alignment="top_left", kv_lengths=ints(2)),
      "q_lengths / kv_lengths"),
-    (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32)), "softcap"),
+    (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32), q_segment_ids=ints(2, 16),
+                     kv_segment_ids=ints(2, 24)), "segment ids"),
     (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128),
      dict(sinks=sds(4, dtype=F32)), "head_dim_v != head_dim (D=192, Dv=128)"),
 ]
@@ -171,9 +172,10 @@ def test_features_are_refused_by_the_kernel_path(hopper, q, k, v, kwargs, featur
 def test_feature_refusal_comes_before_other_gaps(monkeypatch):
     monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
     f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
-    with pytest.raises(NotImplementedError, match="do not support softcap yet"):
-        jax_fa4.attention(f32, f32, f32, softcap=2.0, implementation="cute")
-    assert "softcap" in jax_fa4.supports(f32, f32, f32, softcap=2.0)[1]
+    lengths = dict(kv_lengths=ints(2))
+    with pytest.raises(NotImplementedError, match="do not support q_lengths / kv_lengths yet"):
+        jax_fa4.attention(f32, f32, f32, implementation="cute", **lengths)
+    assert "kv_lengths" in jax_fa4.supports(f32, f32, f32, **lengths)[1]
 
 
 def test_varlen_is_refused_by_the_kernel_path(hopper):

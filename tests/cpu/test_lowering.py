@@ -20,11 +20,12 @@ from jaxlib import xla_client
 import jax_fa4
 from jax_fa4 import _api, _registry
 
+# Attributes print in alphabetical order; softcap sits between the ones read here.
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
-                  r"causal = (true|false), softmax_scale = (\S+) : f32")
+                  r"causal = (true|false), softcap = \S+ : f32, softmax_scale = (\S+) : f32")
 BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?causal = (true|false), "
-                      r"deterministic = (true|false), softmax_scale = (\S+) : f32.*?"
-                      r"-> \((.*)\)$", re.MULTILINE)
+                      r"deterministic = (true|false), softcap = \S+ : f32, "
+                      r"softmax_scale = (\S+) : f32.*?-> \((.*)\)$", re.MULTILINE)
 
 
 def fwd_calls(fn, *args, platform="cuda"):
@@ -197,7 +198,7 @@ def test_import_registers_once(monkeypatch):
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     kinds = [entry["kind"] for entry in expected_manifest]
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (16, 16)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (24, 24)
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):
@@ -213,3 +214,19 @@ def test_top_left_self_attention_keeps_the_kernel(built):
     assert fwd_calls(top_left, x, kv, kv) == [(True, np.float32(64 ** -0.5))]
     assert "top_left = true" in jax.jit(top_left).trace(x, kv, kv).lower(
         lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"causal": True}, {"window": (8, 8)}])
+def test_softcap_lowers_to_the_banded_softcap_kernels(built, kwargs):
+    # Softcap is built into the banded variant only: without a mask it runs there with
+    # an unbounded band (window sides -1). The cap travels as an attribute, forward and
+    # backward, and no reference is traced for CUDA.
+    x = sds(2, 64, 4, 64)
+    attn = functools.partial(jax_fa4.attention, softcap=30.0, **kwargs)
+    assert fwd_calls(attn, x, x, x) == [(True, np.float32(64 ** -0.5))]
+    assert [call[:2] for call in bwd_calls(grad_of_sum(attn), x, x, x)] == [(True, False)]
+    text = jax.jit(grad_of_sum(attn)).trace(x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("softcap = 3.000000e+01 : f32") == 2
+    if not kwargs:
+        assert text.count("window_left = -1 : i32, window_right = -1 : i32") == 2

@@ -117,12 +117,14 @@ def test_out_dtype_follows_input():
     assert out.dtype == jnp.float16 and lse.dtype == jnp.float32
 
 
+@pytest.mark.parametrize("softcap", [None, 1.5])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("sq,sk", [(17, 17), (23, 9), (9, 23)])
 @pytest.mark.parametrize("heads,heads_kv", [(3, 3), (6, 2), (4, 1)])
-def test_reference_backward_matches_autodiff(causal, sq, sk, heads, heads_kv):
+def test_reference_backward_matches_autodiff(causal, sq, sk, heads, heads_kv, softcap):
     # The explicit FlashAttention backward (the backward kernels' contract) equals
-    # autodiff of the reference, with an lse cotangent, rows that see no key and GQA/MQA.
+    # autodiff of the reference, with an lse cotangent, rows that see no key, GQA/MQA
+    # and softcap (cap 1.5 against scores of a few units: tanh saturates).
     from jax_fa4._reference import reference_backward
 
     keys = jax.random.split(jax.random.key(7), 5)
@@ -131,10 +133,12 @@ def test_reference_backward_matches_autodiff(causal, sq, sk, heads, heads_kv):
     v = jax.random.normal(keys[2], (2, sk, heads_kv, 16), jnp.float32)
     dout = jax.random.normal(keys[3], (2, sq, heads, 16), jnp.float32)
     dlse = jax.random.normal(keys[4], (2, heads, sq), jnp.float32)
-    fwd = functools.partial(reference_attention, causal=causal, softmax_scale=0.3)
+    fwd = functools.partial(reference_attention, causal=causal, softmax_scale=0.3,
+                            softcap=softcap)
     (out, lse), vjp = jax.vjp(fwd, q, k, v)
     want = vjp((dout, dlse))
-    got = reference_backward(q, k, v, out, lse, dout, dlse, causal=causal, softmax_scale=0.3)
+    got = reference_backward(q, k, v, out, lse, dout, dlse, causal=causal, softmax_scale=0.3,
+                             softcap=softcap)
     for g, w in zip(got, want):
         assert bool(jnp.all(jnp.isfinite(g)))
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)

@@ -1,8 +1,11 @@
-"""Bands in the kernels (sliding windows, one-sided windows, top-left alignment) with the
-rule of KERNELS.md: out, lse, and dq, dk, dv in both backward modes, against the float32
-reference with the same band. Sizes put band edges across tile boundaries, leave rows
-that see no key, and make key blocks that every row of a tile sees whole; the GPU test
-of the block ranges whose arithmetic tests/cpu/test_band_ranges.py checks exhaustively."""
+"""The banded kernels (sliding windows, one-sided windows, top-left alignment, and their
+softcap variant) with the rule of KERNELS.md: out, lse, and dq, dk, dv in both backward
+modes, against the float32 reference with the same band and cap. Sizes put band edges
+across tile boundaries, leave rows that see no key, and make key blocks that every row
+of a tile sees whole; the GPU test of the block ranges whose arithmetic
+tests/cpu/test_band_ranges.py checks exhaustively. Softcap cases (rtol 3) run over GQA
+heads with queries scaled so that scores reach several times a small cap (tanh
+saturates) and stay in the linear range of a large one."""
 
 import functools
 import itertools
@@ -24,9 +27,13 @@ BANDS = (
     ("diagonal", {"window": (0, 0)}),
     ("top-left-causal", {"causal": True, "alignment": "top_left"}),
     ("top-left-window", {"window": (17, 3), "alignment": "top_left"}),
+    ("none-cap30", {"softcap": 30.0}),
+    ("causal-cap5", {"causal": True, "softcap": 5.0}),
+    ("sliding-cap20", {"causal": True, "window": (100, None), "softcap": 20.0}),
 )
 SEQLENS = ((113, 203), (203, 113), (1000, 1000))
 BATCH, HEADS = 2, 3
+CAP_HEADS, CAP_Q_GAIN = (4, 2), 4.0  # softcap cases: GQA, scores ~ N(0, 16)
 
 
 def _case(dtype, head_dim, band, seqlens):
@@ -51,9 +58,13 @@ def _cute_vjp(q, k, v, dout, dlse, band, deterministic):
 @pytest.mark.parametrize("dtype,head_dim,band,sq,sk", CASES)
 def test_band_matches_reference(fa, dtype, head_dim, band, sq, sk):
     seed = zlib.crc32(repr(("window", dtype, head_dim, sorted(band.items()), sq, sk)).encode())
-    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, HEADS, HEADS, head_dim)
+    softcap = band.get("softcap")
+    heads = CAP_HEADS if softcap else (HEADS, HEADS)
+    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, *heads, head_dim)
+    if softcap:
+        q = q * CAP_Q_GAIN
     mask = {"causal": band.get("causal", False), "window": band.get("window"),
-            "alignment": band.get("alignment", "bottom_right")}
+            "alignment": band.get("alignment", "bottom_right"), "softcap": softcap}
     frozen = tuple(sorted(band.items()))
     for deterministic in (False, True):
         out, lse, grads = _cute_vjp(q, k, v, dout, dlse, band=frozen,
