@@ -298,10 +298,10 @@ def test_gqa_sequence_sharding_runs_the_ring(built, mesh):
                                    rtol=2e-2, atol=3e-2)
 
 
-REFERENCE_CALLS = {
-    "float32": (jnp.float32, {}),
-    "softcap": (jnp.bfloat16, {"softcap": 30.0}),
-    "forced": (jnp.bfloat16, {"implementation": "reference"}),
+REFERENCE_CALLS = {  # name: (dtype, head_dim, options) of a call the kernels do not take
+    "float32": (jnp.float32, 64, {}),
+    "head_dim_320": (jnp.bfloat16, 320, {}),
+    "forced": (jnp.bfloat16, 64, {"implementation": "reference"}),
 }
 
 
@@ -309,8 +309,8 @@ REFERENCE_CALLS = {
 def test_reference_path_refuses_a_sharded_sequence(mesh, name):
     # The reference is plain jnp: over a sharded sequence XLA would gather K/V on every
     # device, so the call is refused, forward and backward, naming why it runs there.
-    dtype, options = REFERENCE_CALLS[name]
-    q, k, v, dout = inputs(sk=24, dtype=dtype)
+    dtype, head_dim, options = REFERENCE_CALLS[name]
+    q, k, v, dout = inputs(sk=24, d=head_dim, dtype=dtype)
     shard = NamedSharding(mesh, P("data", "model", None, None))
     fwd = jax.jit(functools.partial(jax_fa4.attention, causal=True, **options),
                   in_shardings=(shard,) * 3)
@@ -323,8 +323,8 @@ def test_reference_path_refuses_a_sharded_sequence(mesh, name):
 
 @pytest.mark.parametrize("name", REFERENCE_CALLS)
 def test_reference_path_partitions_over_batch_and_heads(mesh, name):
-    dtype, options = REFERENCE_CALLS[name]
-    q, k, v, dout = inputs(dtype=dtype)
+    dtype, head_dim, options = REFERENCE_CALLS[name]
+    q, k, v, dout = inputs(d=head_dim, dtype=dtype)
     shard = NamedSharding(mesh, P("data", None, "model", None))
 
     def loss(q, k, v, dout):
