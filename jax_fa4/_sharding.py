@@ -80,22 +80,24 @@ def sharded(fn, signature: Signature, ring):
         return shardings(spec, mesh, arg_shapes, signature.results)
 
     @functools.cache
-    def partitioned(group_size):
-        # The rule's query-head factor depends on the group size, so one op per size.
+    def partitioned(group_size, one_kv_head):
+        # The rule's query-head factor depends on the grouping, so one op per grouping.
+        # With one key/value head (MQA) the query heads are a factor of their own: Shardy
+        # refuses a compound factor (h g) whose h has size 1.
         op = custom_partitioning(fn, static_argnums=(0,))
-        grouped = group_size > 1
-        rule = signature.rule.format(hq="(h g)" if grouped else "h")
-        op.def_partition(partition=partition, sharding_rule=rule,
+        grouped = group_size > 1 and not one_kv_head
+        hq = "(h g)" if grouped else "g" if group_size > 1 else "h"
+        op.def_partition(partition=partition, sharding_rule=signature.rule.format(hq=hq),
                          infer_sharding_from_operands=infer_sharding_from_operands,
                          **({"g": group_size} if grouped else {}))
         return op
 
     @functools.cache
     def for_spec(spec):
-        op = partitioned(spec.group_size)
-
         @jax.custom_batching.custom_vmap
         def batched(*operands):
+            # operands[1] is k (B, Sk, Hkv, D) in every signature.
+            op = partitioned(spec.group_size, operands[1].shape[2] == 1)
             return op(spec, *operands)
 
         @batched.def_vmap
