@@ -53,8 +53,9 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
                      "b {hq} sq -> b sq {hq} d, b sk h d, b sk h e")
 
 
-GUARD = Signature(("q", "k", "v"), ("q", "k", "v"),
-                  "b sq {hq} d, b sk h d, b sk h e -> b sq {hq} d, b sk h d, b sk h e")
+# The reference path's identity: the forward's operands, each to itself.
+GUARD = Signature(FORWARD.operands, FORWARD.operands,
+                  " -> ".join([FORWARD.rule.split(" -> ")[0]] * 2))
 
 
 def sharded(fn, signature: Signature, ring):

@@ -214,9 +214,10 @@ class AttentionSpec:
         if self.kernel_name is None:
             built = sorted({e["head_dim"] for e in _registry.manifest()
                             if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)})
+            masked = self.causal or self.window != (None, None)
             return False, (
                 f"no compiled kernel for dtype={self.kernel_dtype} head_dim={self.head_dim} "
-                f"mask={'causal/window' if self.banded else 'none'}"
+                f"mask={'causal/window' if masked else 'none'}"
                 f"{' softcap' if self.softcap is not None else ''}; head_dims built for "
                 f"{self.kernel_dtype}: {built}"
             )
