@@ -30,7 +30,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     and lse = -inf (lse = sink with sinks), without NaN in values or gradients.
 
     GQA / MQA: Hkv must divide Hq; query head h reads KV head h // (Hq // Hkv).
-    Dv: v may have its own head_dim (e.g. D = 192, Dv = 128); out has Dv.
+    Dv: v may have its own head_dim (e.g. D = 192, Dv = 128); out has Dv. The kernels
+        run head dims they were not built for on inputs zero-padded to the next built
+        one (`kernels()`), up to 256.
     softmax_scale: static Python number, default 1 / sqrt(D).
     alignment: where query row i sits on the key axis, a(i), for causal and window:
         "bottom_right" (default, FlashAttention): a(i) = i + Lk - Lq, so the last valid
@@ -184,13 +186,29 @@ def _run(spec: AttentionSpec, q, k, v, **arrays):
     if 0 in (batch, heads, seqlen_q, seqlen_k):
         # Shapes are static, so empty problems never reach a kernel: no visible key
         # means out = 0 and lse = -inf (empty arrays when B, H or Sq is 0).
-        out = jnp.zeros(q.shape, q.dtype)
+        out = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
         lse = jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
     else:
-        out, lse = _vjp.attention(spec, q, k, v)
+        out, lse = _kernel_attention(spec, q, k, v)
     if spec.has_sinks:
         out, lse = _add_sinks(out, lse, arrays["sinks"])
     return out, lse
+
+
+def _kernel_attention(spec: AttentionSpec, q, k, v):
+    """The kernel paths at the kernels' head_dim: q, k, v zero-padded along D to it when
+    D or Dv is not built (exact; spec keeps the softmax scale of the true D), out cut
+    back to Dv. Autodiff of the pad and the cut carries the gradients."""
+    kernel_spec = spec.for_kernel()
+    width = kernel_spec.head_dim
+    if (spec.head_dim, spec.head_dim_v) == (width, width):
+        return _vjp.attention(spec, q, k, v)
+
+    def pad(x):
+        return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+    out, lse = _vjp.attention(kernel_spec, pad(q), pad(k), pad(v))
+    return out[..., :spec.head_dim_v], lse
 
 
 def _add_sinks(out, lse, sinks):

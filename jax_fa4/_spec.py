@@ -165,8 +165,29 @@ class AttentionSpec:
         return KERNEL_DTYPES.get(self.dtype)
 
     @property
+    def kernel_head_dim(self) -> int | None:
+        """The head_dim of the kernels this spec runs: the smallest one built (for its
+        dtype and variant) that holds both D and Dv, whose inputs are zero-padded to it
+        (exact: zero columns add nothing to q.k, and out's extra columns are dropped);
+        None if no built head_dim is large enough."""
+        if self.kernel_dtype is None:
+            return None
+        need = max(self.head_dim, self.head_dim_v)
+        built = [e["head_dim"] for e in _registry.manifest()
+                 if (e["kind"], e["dtype"], e["causal"], e.get("softcap", False))
+                 == ("fwd", self.kernel_dtype, self.banded, self.softcap is not None)
+                 and e["head_dim"] >= need]
+        return min(built, default=None)
+
+    def for_kernel(self) -> AttentionSpec:
+        """This spec at kernel_head_dim (D = Dv), the shape the kernel calls see."""
+        hd = self.kernel_head_dim
+        return dataclasses.replace(self, head_dim=hd, head_dim_v=hd)
+
+    @property
     def kernel_name(self) -> str | None:
-        """The forward kernel for (dtype, head_dim, causal); None if none was built."""
+        """The forward kernel for (dtype, kernel_head_dim, variant); None if none was
+        built."""
         entry = self._find_kernel("fwd")
         return entry["name"] if entry else None
 
@@ -177,17 +198,16 @@ class AttentionSpec:
         return self._find_kernel("bwd")
 
     def _find_kernel(self, kind: str) -> dict | None:
-        if self.kernel_dtype is None:
+        head_dim = self.kernel_head_dim
+        if head_dim is None:
             return None
-        return _registry.find_kernel(kind, self.kernel_dtype, self.head_dim, self.banded,
+        return _registry.find_kernel(kind, self.kernel_dtype, head_dim, self.banded,
                                      self.softcap is not None)
 
     def feature_reason(self) -> str:
         """Why the kernels cannot take this spec's features; "" when they can."""
         gaps = (
             (self.varlen, "varlen (cu_seqlens)"),
-            (self.head_dim_v != self.head_dim,
-             f"head_dim_v != head_dim (D={self.head_dim}, Dv={self.head_dim_v})"),
             (self.has_segment_ids, "segment ids"),
             (self.has_q_lengths or self.has_kv_lengths, "q_lengths / kv_lengths"),
             # Sinks are no gap: the kernel paths add them to the kernels' out and lse.
@@ -215,11 +235,13 @@ class AttentionSpec:
             built = sorted({e["head_dim"] for e in _registry.manifest()
                             if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)})
             masked = self.causal or self.window != (None, None)
+            dims = (f"head_dim={self.head_dim}" if self.head_dim_v == self.head_dim
+                    else f"head_dims D={self.head_dim}, Dv={self.head_dim_v}")
             return False, (
-                f"no compiled kernel for dtype={self.kernel_dtype} head_dim={self.head_dim} "
+                f"no compiled kernel for dtype={self.kernel_dtype} {dims} "
                 f"mask={'causal/window' if masked else 'none'}"
                 f"{' softcap' if self.softcap is not None else ''}; head_dims built for "
-                f"{self.kernel_dtype}: {built}"
+                f"{self.kernel_dtype}: {built} (smaller ones run zero-padded)"
             )
         return True, ""
 

@@ -77,6 +77,28 @@ def test_platform_path_grads_equal_reference_grads(built, causal):
                                    atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("d,dv", [(80, 80), (192, 128)])
+def test_zero_padded_head_dims_equal_the_reference(built, d, dv):
+    # Head dims without their own kernel run a larger one on zero-padded q, k, v (here
+    # the platform path, the reference standing in for the kernel): out, lse and the
+    # gradients equal the unpadded reference's, and keep D and Dv.
+    q, k, _ = _inputs(2, 11, 7, 2, d, jnp.bfloat16)
+    v = jax.random.normal(jax.random.key(3), (2, 7, 2, dv), jnp.float32).astype(jnp.bfloat16)
+    kw = jax.random.normal(jax.random.key(1), (2, 11, 2, dv))
+    kl = jax.random.normal(jax.random.key(2), (2, 2, 11))
+    results = {}
+    for impl in (None, "reference"):
+        attn = functools.partial(jax_fa4.attention, causal=True, implementation=impl)
+        results[impl] = jax.jit(jax.value_and_grad(_loss(attn, kw, kl), argnums=(0, 1, 2)))(
+            q, k, v)
+    (value, grads), (want_value, want_grads) = results[None], results["reference"]
+    np.testing.assert_allclose(value, want_value, rtol=1e-3)
+    for g, w, x in zip(grads, want_grads, (q, k, v)):
+        assert g.shape == x.shape and g.dtype == x.dtype
+        np.testing.assert_allclose(g.astype(jnp.float32), w.astype(jnp.float32),
+                                   atol=1e-2, rtol=1e-2)
+
+
 def test_platform_path_under_vmap_and_scan(built):
     q, k, v = _inputs(6, 5, 9, 2, 64, jnp.bfloat16)
     attn = functools.partial(jax_fa4.attention, causal=True)

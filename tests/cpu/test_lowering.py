@@ -74,7 +74,7 @@ def test_default_lowers_to_the_kernel_for_cuda(built, dtype, d, causal, scale):
 
 @pytest.mark.parametrize("q,kwargs", [
     (sds(2, 17, 4, 128, dtype=jnp.float32), {}),
-    (sds(2, 17, 4, 80), {}),
+    (sds(2, 17, 4, 320), {}),
     (sds(2, 17, 4, 128), dict(softmax_scale=-1.0)),
     (sds(2, 17, 4, 128), dict(softmax_scale=0.0)),
 ])
@@ -230,3 +230,19 @@ def test_softcap_lowers_to_the_banded_softcap_kernels(built, kwargs):
     assert text.count("softcap = 3.000000e+01 : f32") == 2
     if not kwargs:
         assert text.count("window_left = -1 : i32, window_right = -1 : i32") == 2
+
+
+@pytest.mark.parametrize("d,dv,width", [(80, 80, 96), (32, 32, 64), (192, 128, 256),
+                                        (64, 128, 128)])
+def test_unbuilt_head_dims_run_zero_padded(built, monkeypatch, d, dv, width):
+    # A head_dim without its own kernel runs the smallest built one that holds D and Dv,
+    # with the softmax scale of the true D; forward and backward.
+    q, k, v = sds(2, 40, 4, d), sds(2, 24, 4, d), sds(2, 24, 4, dv)
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
+    assert jax_fa4.supports(q, k, v) == (True, "")
+    assert fwd_calls(jax_fa4.attention, q, k, v) == [(False, np.float32(d ** -0.5))]
+    text = jax.jit(grad_of_sum(jax_fa4.attention)).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert re.search(rf"@jax_fa4_bwd\(.*tensor<2x40x4x{width}xbf16>", text)
+    out = jax.eval_shape(jax_fa4.attention, q, k, v)
+    assert out.shape == (2, 40, 4, dv)

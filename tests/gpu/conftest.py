@@ -182,13 +182,15 @@ def normal(key, shape, dtype):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
 
-def problem(seed, dtype, batch, sq, sk, heads, heads_kv, head_dim):
-    """q (B, Sq, H, D), k and v (B, Sk, Hkv, D), dout like q, in dtype; dlse (B, H, Sq)
-    float32: one draw per integer seed."""
+def problem(seed, dtype, batch, sq, sk, heads, heads_kv, head_dim, head_dim_v=None):
+    """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), dout (B, Sq, H, Dv), in
+    dtype (Dv defaults to D); dlse (B, H, Sq) float32: one draw per integer seed."""
+    head_dim_v = head_dim if head_dim_v is None else head_dim_v
     kq, kk, kv, kdo, kdl = jax.random.split(jax.random.key(seed), 5)
     q = normal(kq, (batch, sq, heads, head_dim), dtype)
-    k, v = (normal(key, (batch, sk, heads_kv, head_dim), dtype) for key in (kk, kv))
-    return (q, k, v, normal(kdo, q.shape, dtype),
+    k = normal(kk, (batch, sk, heads_kv, head_dim), dtype)
+    v = normal(kv, (batch, sk, heads_kv, head_dim_v), dtype)
+    return (q, k, v, normal(kdo, (batch, sq, heads, head_dim_v), dtype),
             jax.random.normal(kdl, (batch, heads, sq), jnp.float32))
 
 

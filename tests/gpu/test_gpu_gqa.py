@@ -1,6 +1,7 @@
 """GQA / MQA through the kernels with the rule of KERNELS.md: query heads share key/value
 heads in the forward, and the backward's per-query-head dk, dv partials are summed per
-group. Forward and both backward modes per case, against the float32 reference."""
+group. Forward and both backward modes per case, against the float32 reference; with
+head dims that run zero-padded to a built one (80 -> 96, D 192 and Dv 128 -> 256)."""
 
 import functools
 import itertools
@@ -14,19 +15,21 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 96, 128, 256)
+# (D, Dv): the built head dims, and 80 and 192 / 128, which run zero-padded (to 96, 256).
+HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256))
 CAUSAL = (False, True)
 SEQLENS = ((17, 113), (113, 203), (1000, 1000))
 GROUPS = ((6, 2), (4, 1))  # (query heads, key/value heads): GQA, MQA
 BATCH = 2
 
 
-def _case(dtype, head_dim, causal, seqlens, heads):
-    (sq, sk), (hq, hkv) = seqlens, heads
+def _case(dtype, head_dims, causal, seqlens, heads):
+    (sq, sk), (hq, hkv), (d, dv) = seqlens, heads, head_dims
     mask = "causal" if causal else "full"
-    return pytest.param(dtype, head_dim, causal, sq, sk, hq, hkv,
-                        id=f"{dtype}-d{head_dim}-{mask}-sq{sq}-sk{sk}-h{hq}-kv{hkv}",
-                        marks=pytest.mark.xdist_group(f"gqa-{dtype}-d{head_dim}"))
+    dims = f"d{d}" if d == dv else f"d{d}v{dv}"
+    return pytest.param(dtype, head_dims, causal, sq, sk, hq, hkv,
+                        id=f"{dtype}-{dims}-{mask}-sq{sq}-sk{sk}-h{hq}-kv{hkv}",
+                        marks=pytest.mark.xdist_group(f"gqa-{dtype}-{dims}"))
 
 
 CASES = [_case(*c) for c in itertools.product(DTYPES, HEAD_DIMS, CAUSAL, SEQLENS, GROUPS)]
@@ -40,10 +43,12 @@ def _cute_vjp(q, k, v, dout, dlse, causal, deterministic):
     return out, lse, vjp((dout, dlse))
 
 
-@pytest.mark.parametrize("dtype,head_dim,causal,sq,sk,hq,hkv", CASES)
-def test_gqa_matches_reference(fa, dtype, head_dim, causal, sq, sk, hq, hkv):
-    seed = zlib.crc32(repr(("gqa", dtype, head_dim, causal, sq, sk, hq, hkv)).encode())
-    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, hq, hkv, head_dim)
+@pytest.mark.parametrize("dtype,head_dims,causal,sq,sk,hq,hkv", CASES)
+def test_gqa_matches_reference(fa, dtype, head_dims, causal, sq, sk, hq, hkv):
+    # The seed of a built head_dim is the one it had before (D, Dv) pairs.
+    key = head_dims[0] if head_dims[0] == head_dims[1] else head_dims
+    seed = zlib.crc32(repr(("gqa", dtype, key, causal, sq, sk, hq, hkv)).encode())
+    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, hq, hkv, *head_dims)
     for deterministic in (False, True):
         out, lse, grads = _cute_vjp(q, k, v, dout, dlse, causal=causal,
                                     deterministic=deterministic)
