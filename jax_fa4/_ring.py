@@ -66,44 +66,125 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     """The automatic path's forward on one device of a sequence-sharded `jit`: q, k, v
     hold this device's contiguous chunks of the `axis_name`-sharded sequence;
     attend(spec, q, k, v) -> (out, lse) runs one chunk pair (the kernel call). Returns
-    this device's (out, lse), merged over the ring."""
+    this device's (out, lse), merged over the ring. Causal rings run in the zigzag
+    layout (`_zigzag_parts`), balanced, and hand back contiguous chunks."""
     def run(_, hi, q, k, v):  # causal or not: (lo, hi) is (None, 0) or (None, None)
         out, lse = attend(dataclasses.replace(spec, causal=hi == 0), q, k, v)
         return out.astype(jnp.float32), lse
 
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    acc = None
+    layout = _Layout.of(spec, axis_name, n, q)
+    q_parts, k, v = (layout.parts(x, 1) for x in (q, k, v))
+    acc = [None] * len(q_parts)
     for step in range(n):
         if step:
             k, v = hop((k, v), axis_name, n)
-        part = chunk_pair(_band(spec), q.shape[1], n, me, (me - step) % n, run,
-                          lambda q, k, v: unseen(q, v), q, k, v)
-        acc = part if acc is None else merge(acc, part)
-    out, lse = acc
-    return out.astype(q.dtype), lse
+        for k_part, v_part, c in zip(k, v, layout.chunks((me - step) % n)):
+            for i, (q_part, a) in enumerate(zip(q_parts, layout.chunks(me))):
+                part = chunk_pair(_band(spec), layout.length, layout.total, a, c, run,
+                                  lambda q, k, v: unseen(q, v), q_part, k_part, v_part)
+                acc[i] = part if acc[i] is None else merge(acc[i], part)
+    out = layout.whole([o.astype(q.dtype) for o, _ in acc], 1)
+    return out, layout.whole([lse for _, lse in acc], 2)
 
 
 def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse):
     """The automatic path's backward: differentiate(spec, q, k, v, out, dout, lse, dlse)
     -> (dq, dk, dv) runs the FlashAttention backward of one chunk pair from the global
-    out and lse (so P and D are the whole sequence's)."""
-    def run(_, hi, k, v):
-        grads = differentiate(dataclasses.replace(spec, causal=hi == 0), q, k, v, out, dout,
-                              lse, dlse)
-        return tuple(g.astype(jnp.float32) for g in grads)
-
-    def nothing(k, v):
-        return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v))
-
+    out and lse (so P and D are the whole sequence's); in the forward's layout."""
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    dq, dk, dv = nothing(k, v)
+    layout = _Layout.of(spec, axis_name, n, q)
+    rows = [layout.parts(x, 1) for x in (q, out, dout)] + [layout.parts(x, 2)
+                                                            for x in (lse, dlse)]
+    q_rows = list(zip(*rows))  # per query part: (q, out, dout, lse, dlse)
+    k, v = layout.parts(k, 1), layout.parts(v, 1)
+
+    def zeros(x):
+        return jnp.zeros(x.shape, jnp.float32)
+
+    dq = [zeros(r[0]) for r in q_rows]
+    dk, dv = [zeros(x) for x in k], [zeros(x) for x in v]
     for step in range(n):
         if step:
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
-        parts = chunk_pair(_band(spec), q.shape[1], n, me, (me - step) % n, run, nothing, k, v)
-        dq, dk, dv = dq + parts[0], dk + parts[1], dv + parts[2]
+        for j, c in enumerate(layout.chunks((me - step) % n)):
+            for i, a in enumerate(layout.chunks(me)):
+                qi, oi, doi, li, dli = q_rows[i]
+
+                def run(_, hi, k, v, qi=qi, oi=oi, doi=doi, li=li, dli=dli):
+                    grads = differentiate(dataclasses.replace(spec, causal=hi == 0), qi, k,
+                                          v, oi, doi, li, dli)
+                    return tuple(g.astype(jnp.float32) for g in grads)
+
+                def nothing(k, v, qi=qi):
+                    return zeros(qi), zeros(k), zeros(v)
+
+                parts = chunk_pair(_band(spec), layout.length, layout.total, a, c, run,
+                                   nothing, k[j], v[j])
+                dq[i], dk[j], dv[j] = dq[i] + parts[0], dk[j] + parts[1], dv[j] + parts[2]
     dk, dv = hop((dk, dv), axis_name, n)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return (layout.whole([g.astype(q.dtype) for g in dq], 1),
+            layout.whole([g.astype(k[0].dtype) for g in dk], 1),
+            layout.whole([g.astype(v[0].dtype) for g in dv], 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """How the automatic ring lays out one device's contiguous chunk r of n. Causal work
+    grows with the chunk's position, so a causal ring splits each chunk in halves and
+    trades them (two ppermutes) until device r holds halves r and 2n-1-r of the 2n: the
+    zigzag layout, where every device has the same work. Without a mask, or with an odd
+    local length, the chunk stays whole."""
+
+    axis_name: str
+    n: int
+    zigzag: bool
+    length: int  # of one part
+
+    @staticmethod
+    def of(spec, axis_name, n, q):
+        zigzag = spec.causal and n > 1 and q.shape[1] % 2 == 0
+        return _Layout(axis_name, n, zigzag, q.shape[1] // 2 if zigzag else q.shape[1])
+
+    @property
+    def total(self) -> int:
+        """Parts in the whole sequence."""
+        return 2 * self.n if self.zigzag else self.n
+
+    def chunks(self, device):
+        """Global part ids device `device` holds, in order."""
+        return (device, 2 * self.n - 1 - device) if self.zigzag else (device,)
+
+    def _dest(self, half):
+        return half if half < self.n else 2 * self.n - 1 - half
+
+    def parts(self, x, axis):
+        """This device's contiguous chunk of x (sequence along `axis`) -> its parts."""
+        if not self.zigzag:
+            return [x]
+        n = self.n
+        first, second = jnp.split(x, 2, axis=axis)
+        # Half h goes to device _dest(h). Even and odd halves each form a permutation,
+        # and a device receives one of each: its half d through the even one iff d is
+        # even (d and 2n-1-d differ in parity).
+        even = lax.ppermute(first, self.axis_name, [(r, self._dest(2 * r)) for r in range(n)])
+        odd = lax.ppermute(second, self.axis_name,
+                           [(r, self._dest(2 * r + 1)) for r in range(n)])
+        d_even = lax.axis_index(self.axis_name) % 2 == 0
+        return [jnp.where(d_even, even, odd), jnp.where(d_even, odd, even)]
+
+    def whole(self, parts, axis):
+        """Inverse of `parts`: this device's parts -> its contiguous chunk."""
+        if not self.zigzag:
+            return parts[0]
+        n = self.n
+        d_even = lax.axis_index(self.axis_name) % 2 == 0
+        even = jnp.where(d_even, parts[0], parts[1])
+        odd = jnp.where(d_even, parts[1], parts[0])
+        first = lax.ppermute(even, self.axis_name, [(self._dest(2 * r), r) for r in range(n)])
+        second = lax.ppermute(odd, self.axis_name,
+                              [(self._dest(2 * r + 1), r) for r in range(n)])
+        return jnp.concatenate([first, second], axis=axis)
 
 
 def _band(spec):

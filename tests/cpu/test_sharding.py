@@ -143,7 +143,10 @@ def test_sequence_sharding_runs_the_ring(built, mesh, causal):
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
                                rtol=2e-2, atol=2e-2)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
-    assert_step_matches(step, causal, (q, k, v, dout), value_rtol=1e-4, grad_atol=3e-2)
+    # Each chunk pair's out comes back in bf16 before the merge, and the causal ring's
+    # zigzag halves make twice the pairs: the loss, a sum of ~50k such outputs, moves by
+    # about 1e-4 of itself (0.45 in 3978), where each element stays within the 2e-2 above.
+    assert_step_matches(step, causal, (q, k, v, dout), value_rtol=3e-4, grad_atol=3e-2)
 
 
 def test_head_dim_sharding_is_refused(built, mesh):
@@ -363,3 +366,26 @@ def test_mqa_partitions(built, mesh, spec):
     shard = NamedSharding(mesh, spec)
     step = jax.jit(functools.partial(loss_and_grads, causal=True), in_shardings=(shard,) * 4)
     assert_step_matches(step, True, (q, k, v, dout), value_rtol=3e-4, grad_atol=3e-2)
+
+
+def test_causal_automatic_ring_trades_halves_into_the_zigzag_layout(mesh):
+    # The layout step of the automatic causal ring: device r's contiguous chunk becomes
+    # halves r and 2n-1-r of the sequence (jax_fa4.zigzag's layout), and back.
+    from jax_fa4 import _ring
+
+    n = 4
+    x = jnp.arange(2 * 16 * 3, dtype=jnp.float32).reshape(2, 16, 3)
+    spec = _api._plan(*inputs(sk=24)[:3], causal=True, softmax_scale=None,
+                      return_lse=False, implementation=None)
+    seq = P(None, "model", None)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=seq, out_specs=(seq, seq))
+    def trade(x):
+        layout = _ring._Layout.of(spec, "model", n, x)
+        parts = layout.parts(x, 1)
+        return jnp.concatenate(parts, axis=1), layout.whole(parts, 1)
+
+    zig, back = trade(x)
+    np.testing.assert_array_equal(zig, jax_fa4.zigzag(x, n))
+    np.testing.assert_array_equal(back, x)
