@@ -24,6 +24,11 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_left=None) 
     return sum(min(seqlen_k, max(0, i + offset + 1)) for i in range(seqlen_q))
 
 
-def attention_flops(b, h, seqlen_q, seqlen_k, d, causal, mode, dv=None, window_left=None):
-    fwd = 2 * b * h * visible_pairs(seqlen_q, seqlen_k, causal, window_left) * (d + (dv or d))
+def attention_flops(b, h, seqlen_q, seqlen_k, d, causal, mode, dv=None, window_left=None,
+                    documents=1):
+    """`documents`: square rows packed with that many equal documents (segment ids), each
+    attending within itself."""
+    pairs = documents * visible_pairs(seqlen_q // documents, seqlen_k // documents, causal,
+                                      window_left)
+    fwd = 2 * b * h * pairs * (d + (dv or d))
     return fwd * (2.5 if mode == "bwd" else 1.0)

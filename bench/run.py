@@ -6,6 +6,7 @@
     python -m bench.run --hdims 128 --heads 32 --heads-kv 8   # GQA 32 / 8
     python -m bench.run --seqlens 16384 --causal true --window 1024   # sliding window
     python -m bench.run --hdims 128 --softcap 30 --backends jax_fa4   # softcap (jax_fa4 only)
+    python -m bench.run --seqlens 16384 --documents 8 --backends jax_fa4   # packed documents
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -47,9 +48,10 @@ def load_anchors():
 
 
 def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
-            h_kv=None, window_left=None, softcap=None):
+            h_kv=None, window_left=None, softcap=None, documents=None):
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
-    causal sliding window over window_left + 1 keys; scores capped at softcap). The
+    causal sliding window over window_left + 1 keys; scores capped at softcap; rows
+    packed with `documents` equal documents, as segment ids). The
     backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
     convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
@@ -60,6 +62,8 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
         options["window_left"] = window_left
     if softcap is not None:
         options["softcap"] = softcap
+    if documents:
+        options["documents"] = documents
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         ms = timer(attn, q, k, v, iterations=iterations)
@@ -69,7 +73,7 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
 
         ms = timer(vjp, q, k, v, dout, iterations=iterations) - fwd_ms
     flops = attention_flops(b, h, s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
-                            window_left=window_left)
+                            window_left=window_left, documents=documents or 1)
     return {"ms": ms, "tflops": flops / ms / 1e9}
 
 
@@ -86,6 +90,8 @@ def main():
                          "keys before it (needs --causal true)")
     ap.add_argument("--softcap", type=float,
                     help="logit soft-capping at this value (backends without it: '-')")
+    ap.add_argument("--documents", type=int,
+                    help="pack each row with this many equal documents (segment ids)")
     ap.add_argument("--backends", default=",".join(BACKENDS))
     ap.add_argument("--passes", default="fwd",
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
@@ -111,16 +117,20 @@ def main():
         ap.error("--window takes a non-negative size, with --causal true")
     if args.softcap is not None and not args.softcap > 0:
         ap.error("--softcap takes a value > 0")
+    if args.documents is not None and args.documents < 1:
+        ap.error("--documents takes a count >= 1")
     dtype = getattr(jnp, args.dtype)
     # The anchors are for the standard shapes only (all heads, 2048 / head_dim of them).
-    standard = not (args.heads or args.heads_kv or args.window is not None or args.softcap)
+    standard = not (args.heads or args.heads_kv or args.window is not None or args.softcap
+                    or args.documents)
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
     shape = "".join([f", {args.heads} query heads" if args.heads else "",
                      f", {args.heads_kv} K/V heads" if args.heads_kv else "",
                      f", sliding window {args.window}" if args.window is not None else "",
-                     f", softcap {args.softcap:g}" if args.softcap else ""])
+                     f", softcap {args.softcap:g}" if args.softcap else "",
+                     f", {args.documents} documents per row" if args.documents else ""])
     print(f"# {device}, jax {jax.__version__}, {args.dtype}, timing: {method}{shape}")
     header = ["pass", "d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
     header += ["fa4/best peer", f"{ANCHOR_BACKEND} (anchor)"]
@@ -146,13 +156,15 @@ def main():
                                        **({"h_kv": h_kv} if h_kv != h else {}),
                                        **({"window": args.window}
                                           if args.window is not None else {}),
-                                       **({"softcap": args.softcap} if args.softcap else {}))
+                                       **({"softcap": args.softcap} if args.softcap else {}),
+                                       **({"documents": args.documents}
+                                          if args.documents else {}))
                             try:
                                 if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
                                                    args.iterations, mode, fwd.get(be), h_kv,
-                                                   args.window, args.softcap))
+                                                   args.window, args.softcap, args.documents))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]

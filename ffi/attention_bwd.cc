@@ -11,7 +11,8 @@
 // Attributes: causal (bool: the banded kernel), softmax_scale (f32), deterministic
 // (bool: dq accumulated in a fixed order, bitwise reproducible; otherwise with atomic
 // adds), window_left / window_right / top_left (the band) and softcap, as for
-// jax_fa4_fwd.
+// jax_fa4_fwd. Three more int32 operands after dlse select the segment variant, as for
+// jax_fa4_fwd, with the backward's plan (..., key blocks, 1 + 2 * query tiles).
 //
 // Stages, as for jax_fa4_fwd: INITIALIZE checks the device and loads the selected
 // kernel's module (once per process, outside any CUDA-graph capture); EXECUTE only
@@ -63,7 +64,8 @@ bool HasDims(const ffi::AnyBuffer& x, ffi::AnyBuffer::Dimensions ref, size_t lea
 }
 
 // Validates the operands and picks the kernel; shared by both stages.
-ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap) {
+ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap,
+                                bool segments) {
   auto qd = x.q.dimensions(), kd = x.k.dimensions();
   const std::string shapes = x.Describe();
   if (qd.size() < 3 || kd.size() != qd.size())
@@ -97,13 +99,15 @@ ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap
   if (!ValidSoftcap(softcap, causal))
     return ffi::Error::InvalidArgument("jax_fa4_bwd: softcap must be finite and >= 0, and "
                                        "> 0 only with causal (the banded kernel)");
-  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f);
+  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f,
+                           segments);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_bwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        std::to_string(p.head_dim) +
                                        (causal ? ", causal" : ", non-causal") +
-                                       (softcap > 0.0f ? ", softcap" : "") + ": " + shapes);
+                                       (softcap > 0.0f ? ", softcap" : "") +
+                                       (segments ? ", segments" : "") + ": " + shapes);
   p.workspace = WorkspaceExtents(*p.kernel, p.seqlen_q);
   return p;
 }
@@ -124,18 +128,20 @@ std::string ResultMismatch(const char* name, const ffi::AnyBuffer& result, ffi::
 
 ffi::Error BwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
-                         ffi::AnyBuffer dlse, ffi::RemainingRets /*dq, ..., sem*/, bool causal,
+                         ffi::AnyBuffer dlse, ffi::RemainingArgs segments,
+                         ffi::RemainingRets /*dq, ..., sem*/, bool causal,
                          float /*softmax_scale*/, bool /*deterministic*/,
                          int32_t /*window_left*/, int32_t /*window_right*/,
                          bool /*top_left*/, float softcap) {
-  auto problem = Select({q, k, v, out, dout, lse, dlse}, causal, softcap);
+  auto problem = Select({q, k, v, out, dout, lse, dlse}, causal, softcap, segments.size() > 0);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_bwd", *problem->kernel, device);
 }
 
 ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::AnyBuffer out, ffi::AnyBuffer dout,
-                      ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::Result<ffi::AnyBuffer> dq,
+                      ffi::AnyBuffer lse, ffi::AnyBuffer dlse, ffi::RemainingArgs segment_args,
+                      ffi::Result<ffi::AnyBuffer> dq,
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> lse2, ffi::Result<ffi::AnyBuffer> dsum,
                       ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> sem,
@@ -143,11 +149,16 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       int32_t window_left, int32_t window_right, bool top_left,
                       float softcap) {
   const BwdOperands operands{q, k, v, out, dout, lse, dlse};
-  auto problem = Select(operands, causal, softcap);
+  auto problem = Select(operands, causal, softcap, segment_args.size() > 0);
   if (problem.has_error()) return problem.error();
   const BwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_bwd[") + p.kernel->name + "] " +
                             operands.Describe();
+  const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
+  const int64_t q_tiles = (p.seqlen_q + p.kernel->tile_m - 1) / p.kernel->tile_m;
+  auto segments = ReadSegments(where, segment_args, p.batch, p.seqlen_q, p.seqlen_k,
+                               key_blocks, 1 + 2 * q_tiles);
+  if (segments.has_error()) return segments.error();
 
   const auto qd = q.dimensions();
   const ffi::DataType type = q.element_type();
@@ -173,7 +184,6 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   // Grids (tiles, heads, batch), and (heads, key blocks, batch) for the causal main
   // kernel with atomic adds; the export ABI holds sizes as int32, dq_accum's extent
   // (Sq_pad * D) included.
-  const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
   if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || key_blocks > kMaxGridYZ ||
       p.seqlen_k > kInt32Max || w.dq_accum > kInt32Max)
     return ffi::Error::InvalidArgument(where + ": batch, heads and seqlen_k / tile_n must be "
@@ -217,6 +227,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                band.lo,
                band.hi,
                SoftcapScale(softmax_scale, softcap)};
+  segments->Into(args);
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
@@ -233,6 +244,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdInitialize, jax_fa4::BwdInitialize,
                                   .Arg<ffi::AnyBuffer>()      // dout
                                   .Arg<ffi::AnyBuffer>()      // lse
                                   .Arg<ffi::AnyBuffer>()      // dlse
+                                  .RemainingArgs()            // segments: select the kernel
                                   .RemainingRets()            // dq, ..., sem: not touched
                                   .Attr<bool>("causal")       // selects the kernel
                                   .Attr<float>("softmax_scale")  // unused here
@@ -253,6 +265,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                                   .Arg<ffi::AnyBuffer>()      // dout (..., Sq, H, D)
                                   .Arg<ffi::AnyBuffer>()      // lse (..., H, Sq) f32
                                   .Arg<ffi::AnyBuffer>()      // dlse (..., H, Sq) f32
+                                  .RemainingArgs()            // segments: rows, keys, plan
                                   .Ret<ffi::AnyBuffer>()      // dq (..., Sq, H, D)
                                   .Ret<ffi::AnyBuffer>()      // dk (..., Sk, Hkv, D)
                                   .Ret<ffi::AnyBuffer>()      // dv (..., Sk, Hkv, D)

@@ -5,7 +5,10 @@
 // q, lse (..., H, Sq) fp32. Attributes: causal (bool: the banded kernel),
 // softmax_scale (f32), window_left / window_right (i32, < 0: unbounded; causal is a
 // right side of 0), top_left (bool: the band's alignment; else bottom-right), softcap
-// (f32, 0: none; else the banded kernel's softcap variant).
+// (f32, 0: none; else the banded kernel's softcap variant). Three more int32 operands
+// after v select the segment variant of the banded kernel: rows (..., 3, Sq), keys
+// (..., Sk) and the plan (..., query tiles, 1 + key blocks) (kernels/sm90/segments.py);
+// the band attributes are then unused, the rows carry it.
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module (once per
 // process, outside any CUDA-graph capture); EXECUTE only launches on XLA's stream, so
@@ -37,7 +40,8 @@ struct FwdProblem {
 
 // Validates the operands and picks the kernel; shared by both stages.
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                const ffi::AnyBuffer& v, bool causal, float softcap) {
+                                const ffi::AnyBuffer& v, bool causal, float softcap,
+                                bool segments) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
   if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
@@ -66,34 +70,41 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   if (!ValidSoftcap(softcap, causal))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
                                        "> 0 only with causal (the banded kernel)");
-  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f);
+  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f,
+                           segments);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        std::to_string(p.head_dim) +
                                        (causal ? ", causal" : ", non-causal") +
-                                       (softcap > 0.0f ? ", softcap" : "") + ": " + shapes);
+                                       (softcap > 0.0f ? ", softcap" : "") +
+                                       (segments ? ", segments" : "") + ": " + shapes);
   return p;
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::RemainingRets /*out, lse*/, bool causal, float /*softmax_scale*/,
-                         int32_t /*window_left*/, int32_t /*window_right*/, bool /*top_left*/,
-                         float softcap) {
-  auto problem = Select(q, k, v, causal, softcap);
+                         ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse*/,
+                         bool causal, float /*softmax_scale*/, int32_t /*window_left*/,
+                         int32_t /*window_right*/, bool /*top_left*/, float softcap) {
+  auto problem = Select(q, k, v, causal, softcap, segments.size() > 0);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
 
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
-                      ffi::AnyBuffer v, ffi::Result<ffi::AnyBuffer> out,
-                      ffi::Result<ffi::Buffer<ffi::F32>> lse, bool causal, float softmax_scale,
-                      int32_t window_left, int32_t window_right, bool top_left,
-                      float softcap) {
-  auto problem = Select(q, k, v, causal, softcap);
+                      ffi::AnyBuffer v, ffi::RemainingArgs segment_args,
+                      ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
+                      bool causal, float softmax_scale, int32_t window_left,
+                      int32_t window_right, bool top_left, float softcap) {
+  auto problem = Select(q, k, v, causal, softcap, segment_args.size() > 0);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
+  const int64_t q_tiles = (p.seqlen_q + p.kernel->tile_m - 1) / p.kernel->tile_m;
+  const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
+  auto segments = ReadSegments(where, segment_args, p.batch, p.seqlen_q, p.seqlen_k, q_tiles,
+                               1 + key_blocks);
+  if (segments.has_error()) return segments.error();
 
   if (out->element_type() != q.element_type() || out->element_count() != q.element_count() ||
       lse->element_count() != p.batch * p.heads * p.seqlen_q)
@@ -131,6 +142,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                band.lo,
                band.hi,
                SoftcapScale(softmax_scale, softcap)};
+  segments->Into(args);
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
 
@@ -143,6 +155,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Arg<ffi::AnyBuffer>()          // q
                                   .Arg<ffi::AnyBuffer>()          // k
                                   .Arg<ffi::AnyBuffer>()          // v
+                                  .RemainingArgs()                // segments: select the kernel
                                   .RemainingRets()                // out, lse: not touched
                                   .Attr<bool>("causal")           // selects the kernel
                                   .Attr<float>("softmax_scale")   // unused here
@@ -158,6 +171,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Arg<ffi::AnyBuffer>()      // q (..., Sq, H, D)
                                   .Arg<ffi::AnyBuffer>()      // k (..., Sk, H, D)
                                   .Arg<ffi::AnyBuffer>()      // v (..., Sk, H, D)
+                                  .RemainingArgs()            // segments: rows, keys, plan
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
                                   .Attr<bool>("causal")

@@ -136,4 +136,58 @@ inline ffi::Error LaunchResult(const std::string& where, int32_t ret) {
   return ffi::Error::Success();
 }
 
+// The segment kernels' operands (kernels/sm90/segments.py), after the handler's fixed
+// ones: rows (..., 3, Sq), keys (..., Sk), plan (..., tiles, len), all int32, leading
+// dimensions folded into `batch` as for q. None given: a kernel without segments.
+struct Segments {
+  bool given = false;
+  void *rows = nullptr, *keys = nullptr, *plan = nullptr;
+  int64_t tiles = 0, len = 0;
+
+  // Fills the segment fields of FwdArgs or BwdArgs.
+  template <typename Args>
+  void Into(Args& args) const {
+    args.q_rows = rows;
+    args.k_ids = keys;
+    args.plan = plan;
+    args.plan_tiles = static_cast<int32_t>(tiles);
+    args.plan_len = static_cast<int32_t>(len);
+  }
+};
+
+// `tiles` and `len` are what the kernel's tile sizes require of the plan; a mismatch is
+// an error, since the kernel indexes the plan with them.
+inline ffi::ErrorOr<Segments> ReadSegments(const std::string& handler,
+                                           const ffi::RemainingArgs& rest, int64_t batch,
+                                           int64_t seqlen_q, int64_t seqlen_k, int64_t tiles,
+                                           int64_t len) {
+  Segments s;
+  if (rest.size() == 0) return s;
+  if (rest.size() != 3)
+    return ffi::Error::InvalidArgument(handler + ": expected 0 or 3 segment operands (rows, "
+                                       "keys, plan); got " + std::to_string(rest.size()));
+  const char* names[] = {"rows", "keys", "plan"};
+  const int64_t counts[] = {batch * 3 * seqlen_q, batch * seqlen_k, batch * tiles * len};
+  const int64_t lasts[] = {seqlen_q, seqlen_k, len};
+  void* data[3];
+  for (size_t i = 0; i < 3; ++i) {
+    auto buffer = rest.get<ffi::AnyBuffer>(i);
+    if (buffer.has_error()) return buffer.error();
+    auto dims = buffer->dimensions();
+    if (buffer->element_type() != ffi::DataType::S32 || dims.size() == 0 ||
+        dims.back() != lasts[i] || static_cast<int64_t>(buffer->element_count()) != counts[i])
+      return ffi::Error::InvalidArgument(
+          handler + ": segment operand " + names[i] + Dims(dims) + " must be int32 with " +
+          std::to_string(counts[i]) + " elements, last dimension " + std::to_string(lasts[i]));
+    data[i] = buffer->untyped_data();
+  }
+  s.given = true;
+  s.rows = data[0];
+  s.keys = data[1];
+  s.plan = data[2];
+  s.tiles = tiles;
+  s.len = len;
+  return s;
+}
+
 }  // namespace jax_fa4

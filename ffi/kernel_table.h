@@ -32,6 +32,12 @@ struct FwdArgs {
   int32_t band_lo;   // banded kernels: key j visible from row i iff band_lo <= j - i
   int32_t band_hi;   // ... <= band_hi (handler_common.h MakeBand); others ignore both
   float softcap_scale;  // softcap kernels: softmax_scale / softcap; others ignore it
+  // Segment kernels (kernels/sm90/segments.py); others ignore these. int32, row-major.
+  void* q_rows;        // (batch, 3, seqlen_q): per query row, key range and segment id
+  void* k_ids;         // (batch, 1, seqlen_k): per key, segment id
+  void* plan;          // (batch, plan_tiles, plan_len): per tile, the blocks it visits
+  int32_t plan_tiles;
+  int32_t plan_len;
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
@@ -68,6 +74,12 @@ struct BwdArgs {
   int32_t band_lo;        // as in FwdArgs
   int32_t band_hi;
   float softcap_scale;    // as in FwdArgs
+  // Segment kernels (kernels/sm90/segments.py); others ignore these. int32, row-major.
+  void* q_rows;        // (batch, 3, seqlen_q): per query row, key range and segment id
+  void* k_ids;         // (batch, 1, seqlen_k): per key, segment id
+  void* plan;          // (batch, plan_tiles, plan_len): per tile, the blocks it visits
+  int32_t plan_tiles;
+  int32_t plan_len;
 };
 
 // One exported kernel: its configuration (kernels/config.py) and entry points.
@@ -79,6 +91,7 @@ struct Kernel {
   int head_dim;
   bool causal;   // the banded variant (runtime band)
   bool softcap;  // scores capped as softcap * tanh(scores / softcap); banded only
+  bool segments;  // visibility from per-row arrays and a plan (FwdArgs); banded only
   int tile_m;
   int tile_n;
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
@@ -96,8 +109,10 @@ extern const int kNumBwdKernels;
 const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap);
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap);
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap,
+                               bool segments);
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap,
+                               bool segments);
 
 // Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),
 // dq_accum and sem, each (batch, heads, extent).

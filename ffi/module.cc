@@ -38,6 +38,7 @@ void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
     e["head_dim"] = k.head_dim;
     e["causal"] = k.causal;
     e["softcap"] = k.softcap;
+    e["segments"] = k.segments;
     e["tile_m"] = k.tile_m;
     e["tile_n"] = k.tile_n;
     if (k.dq_parts > 0) e["dq_parts"] = k.dq_parts;
@@ -62,5 +63,5 @@ NB_MODULE(_ffi, m) {
     AppendEntries(kernels, jax_fa4::kFwdKernels, jax_fa4::kNumFwdKernels, "fwd");
     AppendEntries(kernels, jax_fa4::kBwdKernels, jax_fa4::kNumBwdKernels, "bwd");
     return kernels;
-  }, "One dict per compiled kernel (name, kind, arch, dtype, head_dim, causal, softcap, tiles).");
+  }, "One dict per compiled kernel (name, kind, arch, dtype, head_dim, causal, softcap, segments, tiles).");
 }

@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _registry, _sharding, _vjp
+from jax_fa4 import _registry, _segment_plan, _sharding, _vjp
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -51,11 +51,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     q_segment_ids (B, Sq), kv_segment_ids (B, Sk): int32, given together: query i sees key
         j only when their ids are equal (documents packed in one row). Positions for
         causal / window stay the indices in the padded row (no reset per segment: for
-        per-document alignment use `attention_varlen`).
+        per-document alignment use `attention_varlen`). The kernels skip the key blocks
+        whose ids cannot match a query tile's (by each block's range of ids: sorted,
+        packed ids skip well; any ids are correct).
     q_lengths, kv_lengths: (B,) int32: query rows i >= q_lengths[b] are padding (out = 0,
-        lse = -inf, even with sinks) and keys j >= kv_lengths[b] are invisible. They also
-        set Lq, Lk of bottom-right alignment (a decode step with a padded KV cache:
-        Sq = 1, kv_lengths = the cache lengths).
+        lse = -inf, even with sinks) and keys j >= kv_lengths[b] are invisible (their
+        blocks are skipped). They also set Lq, Lk of bottom-right alignment (a decode
+        step with a padded KV cache: Sq = 1, kv_lengths = the cache lengths).
     deterministic: static bool, for the backward kernel: False (default) accumulates dq
         with atomic adds, fast, but the summation order and so the last bits of dq can
         change from run to run; True accumulates in a fixed order, bitwise reproducible
@@ -67,8 +69,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
         and raises NotImplementedError with the reason when it cannot run here (the
-        kernels do not support Dv != D, segment ids or lengths yet: those calls always
-        run the reference; sinks are applied to the kernels' out and lse); "reference"
+        kernels do not combine softcap with segment ids or lengths yet: those calls run
+        the reference; sinks are applied to the kernels' out and lse); "reference"
         forces the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
@@ -189,25 +191,34 @@ def _run(spec: AttentionSpec, q, k, v, **arrays):
         out = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
         lse = jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
     else:
-        out, lse = _kernel_attention(spec, q, k, v)
+        segments = ()
+        if spec.segments:
+            segments = _segment_plan.padded_rows(
+                spec, seqlen_q, seqlen_k, batch=batch,
+                **{name: arrays[name] for name in ("q_segment_ids", "kv_segment_ids",
+                                                   "q_lengths", "kv_lengths")})
+        out, lse = _kernel_attention(spec, q, k, v, segments)
     if spec.has_sinks:
         out, lse = _add_sinks(out, lse, arrays["sinks"])
+        if spec.has_q_lengths:  # padding rows keep lse = -inf, sinks or not
+            padding = jnp.arange(seqlen_q) >= arrays["q_lengths"][:, None, None]
+            lse = jnp.where(padding, -jnp.inf, lse)
     return out, lse
 
 
-def _kernel_attention(spec: AttentionSpec, q, k, v):
+def _kernel_attention(spec: AttentionSpec, q, k, v, segments=()):
     """The kernel paths at the kernels' head_dim: q, k, v zero-padded along D to it when
     D or Dv is not built (exact; spec keeps the softmax scale of the true D), out cut
     back to Dv. Autodiff of the pad and the cut carries the gradients."""
     kernel_spec = spec.for_kernel()
     width = kernel_spec.head_dim
     if (spec.head_dim, spec.head_dim_v) == (width, width):
-        return _vjp.attention(spec, q, k, v)
+        return _vjp.attention(spec, q, k, v, segments)
 
     def pad(x):
         return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
-    out, lse = _vjp.attention(kernel_spec, pad(q), pad(k), pad(v))
+    out, lse = _vjp.attention(kernel_spec, pad(q), pad(k), pad(v), segments)
     return out[..., :spec.head_dim_v], lse
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jax_fa4 import _segment_plan
 from jax_fa4._sharding import vary_like
 from jax_fa4._spec import AttentionSpec
 
@@ -17,21 +18,32 @@ FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
 
 
-def fwd(q, k, v, spec: AttentionSpec):
-    """q (..., Sq, H, D), k/v (..., Sk, Hkv, D) -> out (..., Sq, H, D), lse (..., H, Sq)
-    fp32; Hkv divides H (GQA/MQA)."""
+def fwd(q, k, v, *segments, spec: AttentionSpec):
+    """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> out (B, Sq, H, D), lse (B, H, Sq) fp32;
+    Hkv divides H (GQA/MQA). `segments`: (rows, keys) of `_segment_plan` for the
+    segment kernels, from which the plan for the forward's tiles is made here."""
     *lead, sq, heads, _ = q.shape
     results = (
         jax.ShapeDtypeStruct(q.shape, q.dtype),
         jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
-    return vary_like((q, k, v), call(q, k, v, **spec.ffi_attributes()))
+    extra = _segment_operands(segments, spec.fwd_kernel, _segment_plan.forward_plan)
+    return vary_like((q, k, v), call(q, k, v, *extra, **spec.ffi_attributes()))
 
 
-def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
-    """q, out, dout (..., Sq, H, D), k/v (..., Sk, Hkv, D), lse/dlse (..., H, Sq) fp32
-    -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`.
+def _segment_operands(segments, kernel, make_plan):
+    """The segment kernels' extra operands: rows, keys and the plan for `kernel`'s
+    tiles; none without segments."""
+    if not segments:
+        return ()
+    rows, keys = segments
+    return rows, keys, make_plan(rows, keys, kernel["tile_m"], kernel["tile_n"])
+
+
+def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
+    """q, out, dout (B, Sq, H, D), k/v (B, Sk, Hkv, D), lse/dlse (B, H, Sq) fp32
+    -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`. `segments` as for `fwd`.
 
     The kernel's workspaces are extra results: XLA allocates them (so they take part in
     its buffer assignment and in command buffers) and the kernel initializes them. Their
@@ -56,5 +68,7 @@ def bwd(q, k, v, out, dout, lse, dlse, spec: AttentionSpec):
         rows(tiles * kernel["dq_parts"], jnp.int32),  # sem: deterministic mode's turn counters
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="broadcast_all")
-    dq, dk, dv, *_workspaces = call(q, k, v, out, dout, lse, dlse, **spec.bwd_ffi_attributes())
+    extra = _segment_operands(segments, kernel, _segment_plan.backward_plan)
+    dq, dk, dv, *_workspaces = call(q, k, v, out, dout, lse, dlse, *extra,
+                                    **spec.bwd_ffi_attributes())
     return vary_like((q, k, v, out, dout, lse, dlse), (dq, dk, dv))

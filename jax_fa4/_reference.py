@@ -55,6 +55,15 @@ def reference_attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, causal: b
                    sinks=sinks, compute_dtype=compute_dtype)
 
 
+def reference_attention_visible(q, k, v, visible, *, softmax_scale: float,
+                                softcap: float | None = None, compute_dtype=jnp.float32):
+    """q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), visible bool (B, Sq, Sk)
+    -> out, lse as `reference_attention`: the visibility given outright (the segment
+    kernels' rows and keys, `_segment_plan.visibility`)."""
+    return _attend(q, k, v, _masks.Visibility(visible, None), softmax_scale=softmax_scale,
+                   softcap=softcap, sinks=None, compute_dtype=compute_dtype)
+
+
 def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, sinks,
             compute_dtype):
     cd = jnp.dtype(compute_dtype)
@@ -103,7 +112,7 @@ def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, s
 
 def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_scale: float,
                        compute_dtype=jnp.float32, alignment: str = "bottom_right",
-                       window=None, softcap: float | None = None):
+                       window=None, softcap: float | None = None, visible=None):
     """The FlashAttention backward from the forward's out and lse: the contract of the
     backward kernels, the backward of configurations without one, and the oracle of their
     tests.
@@ -113,7 +122,8 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
     softcap c, P = exp(c tanh(scale * S / c) - lse) and dS carries the slope 1 - tanh^2.
     q, out, dout (..., Sq, H, D); k, v (..., Sk, Hkv, D) with Hkv dividing H (GQA/MQA:
     dk, dv sum over each group of query heads); lse, dlse (..., H, Sq). Causal and window
-    use `alignment` as in `reference_attention`; rows with lse = -inf (no visible key)
+    use `alignment` as in `reference_attention`; `visible` (..., Sq, Sk) bool, when
+    given, replaces causal, window and alignment; rows with lse = -inf (no visible key)
     contribute nothing; dq, dk, dv come back in the dtypes of q, k, v.
 
     `compute_dtype` float32 is the reference. The input dtype gives the numerics rule's
@@ -153,8 +163,11 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
         t = jnp.tanh(s / jnp.float32(softcap))
         s, slope = jnp.float32(softcap) * t, rnd(1.0 - t * t)
     seen = jnp.isfinite(lse)[..., None]
-    mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment=alignment,
-                         window=window).mask
+    if visible is None:
+        mask = _masks.padded(q.shape[-3], k.shape[-3], causal=causal, alignment=alignment,
+                             window=window).mask
+    else:  # (..., Sq, Sk) -> (..., heads, [group], Sq, Sk)
+        mask = visible[..., None, None, :, :] if g else visible[..., None, :, :]
     visible = seen if mask is None else seen & mask
     p = rnd(jnp.where(visible, jnp.exp(s - jnp.where(seen, lse[..., None], 0.0)), 0.0))
     dp = mm(f"...qh{g}d,...khd->...h{g}qk", dout_, f32(v))

@@ -33,15 +33,19 @@ def manifest() -> list[dict]:
 
 
 def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool,
-                softcap: bool = False) -> dict | None:
+                softcap: bool = False, segments: bool = False) -> dict | None:
     """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd") and
     configuration, None if there is none."""
-    key = (kind, dtype, head_dim, causal, softcap)
+    key = (kind, dtype, head_dim, causal, softcap, segments)
     for entry in _MANIFEST:
-        if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"],
-                entry.get("softcap", False)) == key:
+        if _key(entry) == key:
             return dict(entry)
     return None
+
+
+def _key(entry: dict) -> tuple:
+    return (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"],
+            entry.get("softcap", False), entry.get("segments", False))
 
 
 def _register_targets() -> None:

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-# Arrays laid out (B, H, Sq); every other array is (B, S, H, D).
-_ROW_STATS = frozenset({"lse", "dlse"})
+# Where each array keeps its sequence axis, for those not laid out (B, S, H, D): row
+# statistics (B, H, Sq) and the segment kernels' rows (B, 3, Sq) and keys (B, Sk).
+_SEQ_AXIS = {"lse": 2, "dlse": 2, "rows": 2, "keys": 1}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,6 +57,18 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
 # The reference path's identity: the forward's operands, each to itself.
 GUARD = Signature(FORWARD.operands, FORWARD.operands,
                   " -> ".join([FORWARD.rule.split(" -> ")[0]] * 2))
+
+
+def _with_segments(signature: Signature) -> Signature:
+    """The segment kernels' signature: rows (B, 3, Sq) and keys (B, Sk) join the
+    operands (kernels/sm90/segments.py)."""
+    operands, results = signature.rule.split(" -> ")
+    return Signature(signature.operands + ("rows", "keys"), signature.results,
+                     f"{operands}, b t sq, b sk -> {results}")
+
+
+FORWARD_SEGMENTS = _with_segments(FORWARD)
+BACKWARD_SEGMENTS = _with_segments(BACKWARD)
 
 
 def sharded(fn, signature: Signature, ring):
@@ -158,8 +171,12 @@ def sum_like(refs, cotangents):
 
 
 def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
-    if name in _ROW_STATS:
+    if name in ("lse", "dlse"):
         return PartitionSpec(batch, heads, seq)
+    if name == "rows":
+        return PartitionSpec(batch, None, seq)
+    if name == "keys":
+        return PartitionSpec(batch, seq)
     return PartitionSpec(batch, seq, heads, None)
 
 
@@ -174,18 +191,23 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
         dims = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
-        if name not in _ROW_STATS and dims[3] is not None:
+        if name not in _SEQ_AXIS and dims[3] is not None:
             raise NotImplementedError(
                 f"jax_fa4.attention: {name} is sharded along its head_dim axis "
                 f"({arg.sharding.spec}); the attention kernel needs whole head_dims on each "
                 "device. Shard batch, heads or the sequence instead.")
-        arg_seq = dims[2] if name in _ROW_STATS else dims[1]
+        arg_seq = dims[_SEQ_AXIS.get(name, 1)]
         if arg_seq is not None and arg_seq != seq:
             raise NotImplementedError(
                 f"jax_fa4.attention: {name} is sharded along its sequence axis "
                 f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
+    if seq is not None and not ring and "rows" in signature.operands:
+        raise NotImplementedError(
+            f"jax_fa4.attention: segment ids and lengths are not partitioned over a sequence "
+            f"sharded along {seq!r}: each query row's keys may lie on any device. Shard "
+            "batch or heads.")
     if seq is not None and not ring:
         reason = (spec.kernel_support()[1]
                   or "implementation='reference', or a GPU the kernels do not run on")

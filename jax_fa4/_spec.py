@@ -143,11 +143,19 @@ class AttentionSpec:
         return dataclasses.replace(self, path=path)
 
     @property
+    def segments(self) -> bool:
+        """Whether this runs the segment kernel variant (kernels/sm90/segments.py): segment
+        ids or lengths decide which keys a row sees, through per-row arrays and a plan
+        (`_segment_plan`)."""
+        return self.has_segment_ids or self.has_q_lengths or self.has_kv_lengths
+
+    @property
     def banded(self) -> bool:
         """Whether this runs the kernel variant with a runtime band (kernels/sm90/mask.py):
-        a band limits the keys a query sees (causal or a window), or softcap, which is
-        built into that variant only (an unbounded band stands for no mask)."""
-        return self.causal or self.window != (None, None) or self.softcap is not None
+        a band limits the keys a query sees (causal or a window), or softcap or segments,
+        which are built into that variant only (an unbounded band stands for no mask)."""
+        return (self.causal or self.window != (None, None) or self.softcap is not None
+                or self.segments)
 
     @property
     def window(self) -> tuple[int | None, int | None]:
@@ -173,9 +181,11 @@ class AttentionSpec:
         if self.kernel_dtype is None:
             return None
         need = max(self.head_dim, self.head_dim_v)
+        variant = ("fwd", self.kernel_dtype, self.banded, self.softcap is not None,
+                   self.segments)
         built = [e["head_dim"] for e in _registry.manifest()
-                 if (e["kind"], e["dtype"], e["causal"], e.get("softcap", False))
-                 == ("fwd", self.kernel_dtype, self.banded, self.softcap is not None)
+                 if (e["kind"], e["dtype"], e["causal"], e.get("softcap", False),
+                     e.get("segments", False)) == variant
                  and e["head_dim"] >= need]
         return min(built, default=None)
 
@@ -192,6 +202,11 @@ class AttentionSpec:
         return entry["name"] if entry else None
 
     @property
+    def fwd_kernel(self) -> dict | None:
+        """The manifest entry of the forward kernel; None if none was built."""
+        return self._find_kernel("fwd")
+
+    @property
     def bwd_kernel(self) -> dict | None:
         """The manifest entry of the backward kernel for (dtype, head_dim, causal); None
         if none was built (the kernel paths then differentiate with the reference)."""
@@ -202,14 +217,14 @@ class AttentionSpec:
         if head_dim is None:
             return None
         return _registry.find_kernel(kind, self.kernel_dtype, head_dim, self.banded,
-                                     self.softcap is not None)
+                                     self.softcap is not None, self.segments)
 
     def feature_reason(self) -> str:
         """Why the kernels cannot take this spec's features; "" when they can."""
         gaps = (
             (self.varlen, "varlen (cu_seqlens)"),
-            (self.has_segment_ids, "segment ids"),
-            (self.has_q_lengths or self.has_kv_lengths, "q_lengths / kv_lengths"),
+            (self.segments and self.softcap is not None,
+             "softcap together with segment ids or lengths"),
             # Sinks are no gap: the kernel paths add them to the kernels' out and lse.
         )
         entry = "attention_varlen" if self.varlen else "attention"
@@ -240,7 +255,8 @@ class AttentionSpec:
             return False, (
                 f"no compiled kernel for dtype={self.kernel_dtype} {dims} "
                 f"mask={'causal/window' if masked else 'none'}"
-                f"{' softcap' if self.softcap is not None else ''}; head_dims built for "
+                f"{' softcap' if self.softcap is not None else ''}"
+                f"{' segments' if self.segments else ''}; head_dims built for "
                 f"{self.kernel_dtype}: {built} (smaller ones run zero-padded)"
             )
         return True, ""

@@ -14,19 +14,25 @@ import functools
 
 import jax
 
-from jax_fa4 import _ffi_calls, _ring, _sharding
-from jax_fa4._reference import reference_attention, reference_backward
+from jax_fa4 import _ffi_calls, _ring, _segment_plan, _sharding
+from jax_fa4._reference import (reference_attention, reference_attention_visible,
+                                reference_backward)
 from jax_fa4._spec import AttentionSpec
 
 
-def _reference(spec: AttentionSpec, q, k, v):
+def _reference(spec: AttentionSpec, q, k, v, *segments):
+    if segments:
+        return reference_attention_visible(q, k, v, _segment_plan.visibility(*segments),
+                                           softmax_scale=spec.softmax_scale,
+                                           softcap=spec.softcap)
     return reference_attention(q, k, v, **spec.reference_options())
 
 
-def _reference_backward(spec: AttentionSpec, q, k, v, out, dout, lse, dlse):
+def _reference_backward(spec: AttentionSpec, q, k, v, out, dout, lse, dlse, *segments):
+    visible = _segment_plan.visibility(*segments) if segments else None
     return reference_backward(q, k, v, out, lse, dout, dlse, causal=spec.causal,
                               softmax_scale=spec.softmax_scale, alignment=spec.alignment,
-                              window=spec.window, softcap=spec.softcap)
+                              window=spec.window, softcap=spec.softcap, visible=visible)
 
 
 def _on_platform(spec: AttentionSpec, kernel, reference, *args):
@@ -38,48 +44,59 @@ def _on_platform(spec: AttentionSpec, kernel, reference, *args):
     return jax.lax.platform_dependent(*args, cuda=kernel, default=reference)
 
 
-def _forward_on_shard(spec: AttentionSpec, q, k, v):
+def _forward_on_shard(spec: AttentionSpec, q, k, v, *segments):
     return _on_platform(spec, functools.partial(_ffi_calls.fwd, spec=spec),
-                        functools.partial(_reference, spec), q, k, v)
+                        functools.partial(_reference, spec), q, k, v, *segments)
 
 
-def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse):
+def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse, *segments):
     return _on_platform(spec, functools.partial(_ffi_calls.bwd, spec=spec),
                         functools.partial(_reference_backward, spec),
-                        q, k, v, out, dout, lse, dlse)
+                        q, k, v, out, dout, lse, dlse, *segments)
 
 
 _sharded_forward = _sharding.sharded(_forward_on_shard, _sharding.FORWARD, _ring.ring_forward)
 _sharded_backward = _sharding.sharded(_backward_on_shard, _sharding.BACKWARD,
                                       _ring.ring_backward)
+# Segment calls: no ring (a sharded sequence is refused).
+_sharded_forward_segments = _sharding.sharded(_forward_on_shard, _sharding.FORWARD_SEGMENTS,
+                                              None)
+_sharded_backward_segments = _sharding.sharded(_backward_on_shard,
+                                               _sharding.BACKWARD_SEGMENTS, None)
 
 
-def _forward(spec: AttentionSpec, q, k, v):
+def _forward(spec: AttentionSpec, q, k, v, segments):
+    if segments:
+        return _sharded_forward_segments(spec)(q, k, v, *segments)
     return _sharded_forward(spec)(q, k, v)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def attention(spec: AttentionSpec, q, k, v):
-    """q (B, Sq, H, D), k/v (B, Sk, H, D) -> out (B, Sq, H, D), lse (B, H, Sq) fp32."""
-    return _forward(spec, q, k, v)
+def attention(spec: AttentionSpec, q, k, v, segments=()):
+    """q (B, Sq, H, D), k/v (B, Sk, H, D) -> out (B, Sq, H, D), lse (B, H, Sq) fp32.
+    segments: () or the segment kernels' (rows, keys) (`_segment_plan`), integer arrays
+    with no cotangent."""
+    return _forward(spec, q, k, v, segments)
 
 
-def _fwd(spec, q, k, v):
-    out, lse = _forward(spec, q, k, v)
-    return (out, lse), (q, k, v, out, lse)
+def _fwd(spec, q, k, v, segments):
+    out, lse = _forward(spec, q, k, v, segments)
+    return (out, lse), (q, k, v, out, lse, segments)
 
 
 def _bwd(spec, residuals, cotangents):
-    q, k, v, out, lse = residuals
+    q, k, v, out, lse, segments = residuals
     # custom_vjp instantiates symbolic-zero cotangents, so dlse is a (B, H, Sq) fp32
     # array of zeros when lse is not an output (or not used), as the kernel needs.
     dout, dlse = cotangents
     if spec.bwd_kernel is None:
         # XLA partitions the pure-JAX backward itself (per batch and head, no collectives).
-        grads = _reference_backward(spec, q, k, v, out, dout, lse, dlse)
+        grads = _reference_backward(spec, q, k, v, out, dout, lse, dlse, *segments)
+    elif segments:
+        grads = _sharded_backward_segments(spec)(q, k, v, out, dout, lse, dlse, *segments)
     else:
         grads = _sharded_backward(spec)(q, k, v, out, dout, lse, dlse)
-    return _sharding.sum_like((q, k, v), grads)
+    return (*_sharding.sum_like((q, k, v), grads), None)
 
 
 attention.defvjp(_fwd, _bwd)

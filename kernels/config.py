@@ -68,6 +68,10 @@ class _KernelConfig:
     # without a mask runs them with an unbounded band), so that it adds one kernel per
     # (dtype, head_dim) and direction rather than two.
     softcap: bool = False
+    # Segment ids, lengths and varlen: per-row key ranges and ids, and a per-tile list
+    # of the blocks to visit, all runtime arrays (kernels/sm90/segments.py). Banded
+    # variants only; the band itself comes in the per-row key ranges.
+    segments: bool = False
 
     kind = ""
 
@@ -78,15 +82,18 @@ class _KernelConfig:
             raise ValueError(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
-        if self.softcap and not self.causal:
-            raise ValueError("softcap kernels are banded: they need causal=True")
+        if (self.softcap or self.segments) and not self.causal:
+            raise ValueError("softcap and segment kernels are banded: they need causal=True")
+        if self.softcap and self.segments:
+            raise ValueError("no kernel variant combines softcap and segments")
 
     @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
         arch = self.arch.removesuffix("a").replace("_", "")
         cap = "_softcap" if self.softcap else ""
-        return f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_{mask}{cap}"
+        seg = "_segments" if self.segments else ""
+        return f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_{mask}{cap}{seg}"
 
     def manifest_entry(self) -> dict:
         """The record the native module exposes for this kernel."""
@@ -98,6 +105,7 @@ class _KernelConfig:
             "head_dim": self.head_dim,
             "causal": self.causal,
             "softcap": self.softcap,
+            "segments": self.segments,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
         }
@@ -155,14 +163,15 @@ class BwdConfig(_KernelConfig):
         return {**super().manifest_entry(), "dq_parts": self.tile.dq_parts}
 
 
-# (causal, softcap) of the variants built per (dtype, head_dim).
-_VARIANTS = ((False, False), (True, False), (True, True))
+# (causal, softcap, segments) of the variants built per (dtype, head_dim).
+_VARIANTS = ((False, False, False), (True, False, False), (True, True, False),
+             (True, False, True))
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap)
-    for d, h, (c, cap) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
+    FwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap, segments=seg)
+    for d, h, (c, cap, seg) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
-    BwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap)
-    for d, h, (c, cap) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
+    BwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap, segments=seg)
+    for d, h, (c, cap, seg) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
 )
 MANIFEST = FWD_MANIFEST + BWD_MANIFEST

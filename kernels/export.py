@@ -46,8 +46,8 @@ class Param(NamedTuple):
     layout "bshd": (B, S, H, D) row-major with static D -> export struct shapes
     (B, S, H), strides (S*H*D, H*D); "bhn": (B, H, N) row-major -> shapes (B, H, N),
     strides (H*N, N). `extent` is the FwdArgs / BwdArgs field holding S or N, `heads`
-    the one holding H (K and V have their own with GQA), `field` the one holding the
-    pointer; dtype "io" is the configuration's dtype.
+    the one holding H (K and V have their own with GQA) or a literal number, `field` the
+    one holding the pointer; dtype "io" is the configuration's dtype.
     """
 
     tensor: str
@@ -85,6 +85,19 @@ TENSORS = {
         Param("mSem", "sem", "bhn", "sem_len", "i32"),
     ),
 }
+# Segment variants take these after the tensors above (kernels/sm90/segments.py).
+SEGMENT_TENSORS = (
+    Param("mRows", "q_rows", "bhn", "seqlen_q", "i32", heads="3"),
+    Param("mKeys", "k_ids", "bhn", "seqlen_k", "i32", heads="1"),
+    Param("mPlan", "plan", "bhn", "plan_len", "i32", heads="plan_tiles"),
+)
+
+
+def tensors(cfg) -> tuple[Param, ...]:
+    """The tensor parameters of cfg's kernel, in order."""
+    return TENSORS[cfg.kind] + (SEGMENT_TENSORS if cfg.segments else ())
+
+
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
 SCALARS = {
     "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi"),
@@ -146,7 +159,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
         kind = BwdSm90SplitD if cfg.tile.split_head_dim else BwdSm90
         kernel, scalars = kind(cfg), (Float32(1.0), Float32(1.0), Int32(0), Int32(0), Int32(0),
                                       Float32(1.0))
-    params = TENSORS[cfg.kind]
+    params = tensors(cfg)
     # One runtime size per name: batch, heads and each extent of `params`. The backward's
     # workspace extents are whole query tiles (WorkspaceExtents in ffi/kernel_table.cc):
     # saying so lets the kernels use 16-byte accesses on them.
@@ -164,7 +177,10 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
         return make_fake_compact_tensor(dtypes[p.dtype], shape, stride_order=order,
                                         assumed_align=16)
 
-    compiled = cute.compile(kernel, *map(fake, params), *scalars, cuda.CUstream(0),
+    # Variants without segments take None for the segment tensors: not in their ABI.
+    seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
+    compiled = cute.compile(kernel, *map(fake, TENSORS[cfg.kind]), *seg, *scalars,
+                            cuda.CUstream(0),
                             options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)
     check_header(pathlib.Path(out_dir) / f"{cfg.name}.h", cfg)
@@ -174,7 +190,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 def check_header(path: pathlib.Path, cfg: Config) -> None:
     """The table below assumes this ABI; fail the build if the export changed it."""
     text, name = path.read_text(), cfg.name
-    params = TENSORS[cfg.kind]
+    params = tensors(cfg)
     for p in params:
         struct = re.search(
             r"typedef struct \{([^}]*)\} " + re.escape(f"{name}_Tensor_{p.tensor}_t;"), text
@@ -212,14 +228,15 @@ int32_t Launch(const {args}& a, cudaStream_t stream) {{
 def _entry(cfg: Config) -> str:
     """One kernel's module, loader and launch adapter (Args -> its export structs)."""
     lines = []
-    for p in TENSORS[cfg.kind]:
+    for p in tensors(cfg):
         struct = f"{cfg.name}_Tensor_{p.tensor}_t"
+        heads = p.heads if p.heads.isdigit() else f"a.{p.heads}"
         if p.layout == "bshd":
-            make = f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, a.{p.heads}, {cfg.head_dim})"
+            make = f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, {heads}, {cfg.head_dim})"
         else:
-            make = f"Bhn<{struct}>(a.{p.field}, a.batch, a.{p.heads}, a.{p.extent})"
+            make = f"Bhn<{struct}>(a.{p.field}, a.batch, {heads}, a.{p.extent})"
         lines.append(f"  auto {p.field} = {make};")
-    call = [f"&{p.field}" for p in TENSORS[cfg.kind]]
+    call = [f"&{p.field}" for p in tensors(cfg)]
     call += [f"a.{field}" for _, field in SCALARS[cfg.kind]] + ["stream"]
     return _ENTRY.format(name=cfg.name, args=f"{cfg.kind.capitalize()}Args",
                          tensors="\n".join(lines), call=", ".join(call))
@@ -240,9 +257,10 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            causal, softcap = ("true" if flag else "false" for flag in (cfg.causal, cfg.softcap))
+            causal, softcap, segments = ("true" if flag else "false"
+                                         for flag in (cfg.causal, cfg.softcap, cfg.segments))
             lines.append(
-                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, {softcap}, '
+                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, {softcap}, {segments}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

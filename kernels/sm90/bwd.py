@@ -8,7 +8,9 @@ forward's O and natural-log LSE and the cotangents dO, dLSE:
     dV = P^T dO,   dS = P * (dO V^T - Dsum),   dK = s * dS^T Q,   dQ = s * dS K
 Invisible elements (kernels/sm90/mask.py) have P = 0; a row with LSE = -inf has P = 0.
 Softcap variants (banded, runtime cap c; kernels/sm90/softcap.py): P comes from the
-capped scores, and dS = P * (dP - Dsum) * (1 - tanh^2(s * S / c)).
+capped scores, and dS = P * (dP - Dsum) * (1 - tanh^2(s * S / c)). Segment variants
+(banded) take visibility from runtime per-row arrays and walk the query tiles a plan
+lists, with the plan's dQ turns (kernels/sm90/segments.py).
 
 Operands (legend in kernels/README.md): mQ, mO, mdO, mdQ (B, Sq, H, D); mK, mV, mdK,
 mdV (B, Sk, Hkv, D), Hkv dividing H (GQA/MQA: query head h reads K/V head
@@ -31,8 +33,8 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           consumers read it for their half of the head dims of dQ = dS K.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
-   descending when causal, with the grid launched in that order), then increments
-   it: a fixed summation order.
+   descending when causal, with the grid launched in that order; segment variants:
+   the plan's), then increments it: a fixed summation order.
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
 3. postprocess, one CTA per (query tile, head, batch): dQ = s * accumulator, in dtype.
 
@@ -56,7 +58,7 @@ from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import BwdConfig
-from kernels.sm90 import mask, softcap, wgmma
+from kernels.sm90 import mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 
 WARPGROUP = 128
@@ -99,6 +101,7 @@ class BwdSm90:
         self.head_dim = cfg.head_dim
         self.causal = cfg.causal
         self.softcap = cfg.softcap
+        self.segments = cfg.segments
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.q_stages = cfg.tile.q_stages
@@ -126,6 +129,9 @@ class BwdSm90:
         mDsum: cute.Tensor,
         mdQaccum: cute.Tensor,
         mSem: cute.Tensor,
+        mRows: cute.Tensor | None,
+        mKeys: cute.Tensor | None,
+        mPlan: cute.Tensor | None,
         scale_log2: Float32,
         scale: Float32,
         deterministic: Int32,
@@ -134,13 +140,14 @@ class BwdSm90:
         softcap_scale: Float32,
         stream: cuda.CUstream,
     ):
+        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI)."""
         batch, seqlen_q, heads, _ = mQ.shape
         n_qtiles = cute.ceil_div(seqlen_q, self.tile_m)
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDsum, mdQaccum, mSem).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP, 1, 1], stream=stream
         )
         self._launch_main(
-            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
+            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
             scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
         )
         self.postprocess(mdQaccum, mdQ, scale).launch(
@@ -248,7 +255,7 @@ class BwdSm90:
     # ------------------------------------------------------------------ main
     @cute.jit
     def _launch_main(
-        self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem,
+        self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
         scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
     ):
         dt, d = self.dtype, self.head_dim
@@ -310,8 +317,9 @@ class BwdSm90:
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
-            tma_atom_dv, tma_dv, mdQaccum, mSem, scale_log2, scale, deterministic,
-            band_lo, band_hi, softcap_scale, sQ_layout, sK_layout, sV_layout, sdS_layout,
+            tma_atom_dv, tma_dv, mdQaccum, mSem, mRows, mKeys, mPlan, scale_log2, scale,
+            deterministic, band_lo, band_hi, softcap_scale,
+            sQ_layout, sK_layout, sV_layout, sdS_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _storage(self, sQ_layout, sK_layout, sV_layout, sdS_layout):
@@ -357,6 +365,9 @@ class BwdSm90:
         tma_dv: cute.Tensor,
         mdQaccum: cute.Tensor,
         mSem: cute.Tensor,
+        mRows: cute.Tensor | None,
+        mKeys: cute.Tensor | None,
+        mPlan: cute.Tensor | None,
         scale_log2: Float32,
         scale: Float32,
         deterministic: Int32,
@@ -401,6 +412,13 @@ class BwdSm90:
             n_block, seqlen_q, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n,
             self.causal,
         )
+        seg = None
+        if cutlass.const_expr(self.segments):
+            # The plan's query tiles replace the band's: visits 0 .. count - 1.
+            seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
+                            mPlan[batch, n_block, None], seqlen_q,
+                            cute.ceil_div(seqlen_q, self.tile_m))
+            m_begin, m_end = Int32(0), seg.plan_row[0]
         # GQA/MQA: this CTA's K/V block serves the query heads [head0, head0 + group),
         # visited one after the other, so dK and dV sum over the group in registers.
         group = tma_q.shape[2] // tma_k.shape[2]
@@ -413,14 +431,14 @@ class BwdSm90:
                     tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k,
                     tma_atom_v, tma_v, tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
                     sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
-                    n_block, kv_head, heads, batch, m_begin, m_end,
+                    n_block, kv_head, heads, batch, m_begin, m_end, seg,
                 )
             # Nested: the DSL only resolves a const_expr that stands alone in its `if`.
             if cutlass.const_expr(self.dq_writers):  # noqa: SIM102
                 if warp >= 1 and warp <= self.consumers:
                     self.dq_writer(
                         storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
-                        n_block, heads, batch, m_begin, m_end, tidx % WARP, band_hi,
+                        n_block, heads, batch, m_begin, m_end, tidx % WARP, band_hi, seg,
                     )
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
@@ -429,7 +447,7 @@ class BwdSm90:
                 sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full,
                 q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
                 n_block, kv_head, heads, batch, m_begin, m_end, masked_front, masked_back,
-                seqlen_k, band_lo, band_hi, softcap_scale, mdQaccum, mSem, deterministic,
+                seqlen_k, band_lo, band_hi, softcap_scale, mdQaccum, mSem, deterministic, seg,
             )
 
     def _ring(self, barriers):
@@ -451,6 +469,7 @@ class BwdSm90:
         tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
         sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
+        seg,
     ):
         d = self.head_dim
         with cute.arch.elect_one():
@@ -469,7 +488,8 @@ class BwdSm90:
             tOsO, tOgO = self._tile_partition(tma_atom_do, tma_do, sdO, head, batch)
             tLsL, tLgL = self._row_partition(tma_atom_lse2, tma_lse2, sLSE2, head, batch)
             tDsD, tDgD = self._row_partition(tma_atom_dsum, tma_dsum, sDsum, head, batch)
-            for m in cutlass.range(m_begin, m_end, unroll=1):
+            for i in cutlass.range(m_begin, m_end, unroll=1):
+                m = self._q_tile(i, seg)
                 q_producer = self._load_tile(
                     q_producer, tma_atom_q, tQgQ[None, m], tQsQ,
                     tma_atom_lse2, tLgL[None, m], tLsL,
@@ -504,7 +524,7 @@ class BwdSm90:
     def dq_writer(
         self, sdQ_ptr, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
         c: Int32, n_block: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        lane: Int32, band_hi: Int32,
+        lane: Int32, band_hi: Int32, seg,
     ):
         """Reduce-adds consumer c's staged dQ partials into the accumulator. One writer
         warp per consumer, so a deterministic wait for one half never delays the other.
@@ -515,14 +535,15 @@ class BwdSm90:
         for head in cutlass.range(head0, head0 + group, unroll=1):
             acc_row = mdQaccum[batch, head, None]
             sem_row = mSem[batch, head, None]
-            for m in cutlass.range(m_begin, m_end, unroll=1):
+            for i in cutlass.range(m_begin, m_end, unroll=1):
+                m = self._q_tile(i, seg)
                 self._dq_barrier(Barrier.DQ_FULL + c).arrive_and_wait()
                 if lane == 0:
                     slot = m * self.consumers + c
                     flag = sem_row.iterator + slot
                     if deterministic != 0:
                         # the key blocks before this one in the tile's order have all added
-                        mine = self._dq_turn(n_block, m, band_hi)
+                        mine = self._dq_turn(n_block, m, band_hi, seg, i)
                         turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                         while turn != mine:
                             turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
@@ -534,16 +555,28 @@ class BwdSm90:
                         cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
                     else:
                         cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if (head0 + group - 1 - head) + (m_end - 1 - m) > 0:  # not the last tile
+                if (head0 + group - 1 - head) + (m_end - 1 - i) > 0:  # not the last tile
                     self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def _dq_turn(self, n_block: Int32, m: Int32, band_hi: Int32):
+    def _dq_turn(self, n_block: Int32, m: Int32, band_hi: Int32, seg, i: Int32):
+        """The turn of this key block at query tile m, visit i of its walk."""
         n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
-        return mask.dq_turn(n_block, m, n_blocks, band_hi, self.tile_m, self.tile_n,
+        turn = mask.dq_turn(n_block, m, n_blocks, band_hi, self.tile_m, self.tile_n,
                             self.causal)
+        if cutlass.const_expr(self.segments):
+            turn = seg.plan_row[1 + seg.q_tiles + i]
+        return turn
+
+    @cute.jit
+    def _q_tile(self, i: Int32, seg):
+        """The query tile of visit i: tile i itself, or the plan's."""
+        m = i
+        if cutlass.const_expr(self.segments):
+            m, _ = segments.visit(seg.plan_row, i)
+        return m
 
     @cute.jit
     def _block_coords(self, deterministic: Int32):
@@ -560,6 +593,22 @@ class BwdSm90:
                 n_block, kv_head = y, x
         return n_block, kv_head, z
 
+    @cute.jit
+    def _mask_kq(
+        self, s_rc, coord_s, key0: Int32, m: Int32, seqlen_k: Int32, band_lo: Int32,
+        band_hi: Int32, seg, masked: Int32,
+    ):
+        """Element masking of S^T for query tile m: the band's, or, in segment variants,
+        the per-row ranges and ids' when the plan flags the tile (`masked`)."""
+        q0 = m * self.tile_m
+        if cutlass.const_expr(self.segments):
+            if masked != 0:
+                segments.mask_block_kq(s_rc, coord_s, key0, q0, seg.rows, seg.keys,
+                                       seg.seqlen_q, seqlen_k)
+        else:
+            mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
+                               self.causal)
+
     def _dq_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)
 
@@ -573,7 +622,7 @@ class BwdSm90:
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         masked_front: Int32, masked_back: Int32,
         seqlen_k: Int32, band_lo: Int32, band_hi: Int32, softcap_scale: Float32,
-        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32, seg,
     ):
         """Consumer c's loop over the group's query heads and their query tiles; the dQ
         writer warps add its dQ partials."""
@@ -620,16 +669,26 @@ class BwdSm90:
         # seen whole, those its lower edge cuts (mask.q_block_range).
         whole_begin, whole_end = m_begin + masked_front, m_end - masked_back
         for head in cutlass.range(head0, head0 + group, unroll=1):
-            for is_masked, start, stop in ((True, m_begin, whole_begin),
-                                           (False, whole_begin, whole_end),
-                                           (True, whole_end, m_end)):
-                for m in cutlass.range(start, stop, unroll=1):
+            if cutlass.const_expr(self.segments):
+                for i in cutlass.range(m_end, unroll=1):
+                    m, masked = segments.visit(seg.plan_row, i)
                     q_consumer, do_consumer = self._step(
-                        is_masked, m, (head - head0) + (m - m_begin), frags, s_shape,
+                        True, m, (head - head0) + i, frags, s_shape,
                         coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t,
                         sdQ_c, sLSE2, sDsum, scale_log2, q_consumer, do_consumer, c, tidx,
-                        key0, seqlen_k, band_lo, band_hi, softcap_scale,
+                        key0, seqlen_k, band_lo, band_hi, softcap_scale, seg, masked,
                     )
+            else:
+                for is_masked, start, stop in ((True, m_begin, whole_begin),
+                                               (False, whole_begin, whole_end),
+                                               (True, whole_end, m_end)):
+                    for m in cutlass.range(start, stop, unroll=1):
+                        q_consumer, do_consumer = self._step(
+                            is_masked, m, (head - head0) + (m - m_begin), frags, s_shape,
+                            coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t,
+                            sdQ_c, sLSE2, sDsum, scale_log2, q_consumer, do_consumer, c,
+                            tidx, key0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
+                        )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             sK, sV, c, tidx, warp, n_block, kv_head, batch,
@@ -645,11 +704,11 @@ class BwdSm90:
         s_shape, coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c,
         sLSE2, sDsum, scale_log2: Float32, q_consumer, do_consumer,
         c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32,
+        softcap_scale: Float32, seg, masked: Int32,
     ):
         """One query tile: five GEMMs, P and dS in registers, dQ partial staged.
         staged_before > 0 when this CTA staged a dQ partial before (the writer must
-        have taken it)."""
+        have taken it). Segment variants mask when the plan's `masked` flag says so."""
         thr_sdp = self._sdp_mma().get_slice(tidx)
         thr_dq = self._dq_mma().get_slice(tidx)
         q_handle = q_consumer.wait_and_advance()
@@ -667,9 +726,7 @@ class BwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores_and_slope(s_rc, ds_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            mask.mask_block_kq(
-                s_rc, coord_s, key0, m * self.tile_m, seqlen_k, band_lo, band_hi, self.causal
-            )
+            self._mask_kq(s_rc, coord_s, key0, m, seqlen_k, band_lo, band_hi, seg, masked)
         for col in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             lse2 = sLSE2[coord_s[0, col][1], stage]
             for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):

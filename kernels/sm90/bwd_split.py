@@ -32,7 +32,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from kernels.config import BwdConfig
-from kernels.sm90 import mask, softcap, wgmma
+from kernels.sm90 import segments, softcap, wgmma
 from kernels.sm90.bwd import KEYS_PER_CONSUMER, WARPGROUP, BwdSm90, _Fragments
 from kernels.sm90.fragments import rows_cols
 
@@ -63,7 +63,7 @@ class BwdSm90SplitD(BwdSm90):
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         masked_front: Int32, masked_back: Int32,
         seqlen_k: Int32, band_lo: Int32, band_hi: Int32, softcap_scale: Float32,
-        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32, seg,
     ):
         """Consumer c: its share of S^T / dP^T and half c of the head dims, over the
         group's query heads (bwd.py)."""
@@ -101,16 +101,26 @@ class BwdSm90SplitD(BwdSm90):
         head0, group = heads
         whole_begin, whole_end = m_begin + masked_front, m_end - masked_back
         for head in cutlass.range(head0, head0 + group, unroll=1):
-            for is_masked, start, stop in ((True, m_begin, whole_begin),
-                                           (False, whole_begin, whole_end),
-                                           (True, whole_end, m_end)):
-                for m in cutlass.range(start, stop, unroll=1):
+            if cutlass.const_expr(self.segments):
+                for i in cutlass.range(m_end, unroll=1):
+                    m, masked = segments.visit(seg.plan_row, i)
                     q_consumer, do_consumer = self._split_step(
-                        is_masked, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                        True, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
                         scale_log2, q_consumer, do_consumer, c, tidx, key0,
                         seqlen_k, band_lo, band_hi, softcap_scale, n_block, head, batch,
-                        mdQaccum, mSem, deterministic,
+                        mdQaccum, mSem, deterministic, seg, i, masked,
                     )
+            else:
+                for is_masked, start, stop in ((True, m_begin, whole_begin),
+                                               (False, whole_begin, whole_end),
+                                               (True, whole_end, m_end)):
+                    for m in cutlass.range(start, stop, unroll=1):
+                        q_consumer, do_consumer = self._split_step(
+                            is_masked, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
+                            scale_log2, q_consumer, do_consumer, c, tidx, key0,
+                            seqlen_k, band_lo, band_hi, softcap_scale, n_block, head, batch,
+                            mdQaccum, mSem, deterministic, seg, m, 1,
+                        )
         self.epilogue(
             acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             sK, sV, c, tidx, warp, n_block, kv_head, batch,
@@ -125,9 +135,11 @@ class BwdSm90SplitD(BwdSm90):
         q_consumer, do_consumer,
         c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
         softcap_scale: Float32, n_block: Int32, head: Int32, batch: Int32,
-        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
+        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32, seg, visit: Int32,
+        masked: Int32,
     ):
-        """One query tile; returns the advanced ring consumers."""
+        """One query tile, `visit` of this key block's walk; returns the advanced ring
+        consumers. Segment variants mask when the plan's `masked` flag says so."""
         tm = self.tile_m
         sdp_mma = self._sdp_mma()
         thr_sdp = sdp_mma.get_slice(tidx)
@@ -150,10 +162,8 @@ class BwdSm90SplitD(BwdSm90):
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores_and_slope(s_rc, rows_cols(slope), softcap_scale)
             if cutlass.const_expr(is_masked):
-                mask.mask_block_kq(
-                    s_rc, rows_cols(coord), key0, m * tm, seqlen_k, band_lo, band_hi,
-                    self.causal,
-                )
+                self._mask_kq(s_rc, rows_cols(coord), key0, m, seqlen_k, band_lo, band_hi,
+                              seg, masked)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 lse2 = sLSE2[coord[i][1], stage]
                 acc[i] = cute.math.exp2(acc[i] * scale_log2 - lse2, fastmath=True)
@@ -190,14 +200,14 @@ class BwdSm90SplitD(BwdSm90):
         q_handle.release()
         do_handle.release()
         self._add_dq(acc_dq, m, c, tidx, n_block, head, batch, mdQaccum, mSem, deterministic,
-                     band_hi)
+                     band_hi, seg, visit)
         return q_consumer, do_consumer
 
     @cute.jit
     def _add_dq(
         self, acc_dq, m: Int32, c: Int32, tidx: Int32, n_block: Int32, head: Int32,
         batch: Int32, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
-        band_hi: Int32,
+        band_hi: Int32, seg, visit: Int32,
     ):
         """Adds consumer c's dQ partial to the accumulator, value-major (bwd.py); in
         deterministic mode only on this key block's turn, then passes the turn on."""
@@ -208,7 +218,7 @@ class BwdSm90SplitD(BwdSm90):
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
-                mine = self._dq_turn(n_block, m, band_hi)
+                mine = self._dq_turn(n_block, m, band_hi, seg, visit)
                 turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 while turn != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")

@@ -6,12 +6,14 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the causal variant
     takes a runtime band lo <= j - i <= hi: causal, windows, either alignment).
     Softcap variants (banded) replace s * S_ij by c * tanh(s * S_ij / c) for a runtime
-    cap c (kernels/sm90/softcap.py).
+    cap c (kernels/sm90/softcap.py). Segment variants (banded) take visibility from
+    runtime per-row arrays and visit the key blocks a plan lists (kernels/sm90/segments.py).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
-mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32. B, Sq, Sk and H are
-runtime values, and so are the band's lo and hi and the softcap; dtype, D, causal and
-softcap are compiled in (kernels/config.py).
+mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
+mRows, mKeys, mPlan (int32, segments.py). B, Sq, Sk and H are runtime values, and so
+are the band's lo and hi and the softcap; dtype, D, causal, softcap and segments are
+compiled in (kernels/config.py).
 
 One CTA per (tile of tile_m query rows, head, batch); causal grids run the longest
 tiles first. Warpgroup roles:
@@ -43,7 +45,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask, softcap, wgmma
+from kernels.sm90 import mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -71,6 +73,7 @@ class FwdSm90:
         self.head_dim = cfg.head_dim
         self.causal = cfg.causal
         self.softcap = cfg.softcap
+        self.segments = cfg.segments
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
@@ -86,12 +89,16 @@ class FwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mRows: cute.Tensor | None,
+        mKeys: cute.Tensor | None,
+        mPlan: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
         softcap_scale: Float32,
         stream: cuda.CUstream,
     ):
+        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI)."""
         dt, d = self.dtype, self.head_dim
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
@@ -131,7 +138,8 @@ class FwdSm90:
         grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, scale_log2, band_lo, band_hi, softcap_scale, sQ_layout, sK_layout, sV_layout,
+            lse, mRows, mKeys, mPlan, scale_log2, band_lo, band_hi, softcap_scale,
+            sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
         )
@@ -148,6 +156,9 @@ class FwdSm90:
         tma_atom_o: cute.CopyAtom,
         tma_o: cute.Tensor,
         mLSE: cute.Tensor,
+        mRows: cute.Tensor | None,
+        mKeys: cute.Tensor | None,
+        mPlan: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -186,6 +197,12 @@ class FwdSm90:
         n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
             m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.causal
         )
+        seg = None
+        if cutlass.const_expr(self.segments):
+            # The plan's blocks replace the band's: visits 0 .. count - 1.
+            seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
+                            mPlan[batch, m_block, None], seqlen_q)
+            n_begin, n_end = Int32(0), seg.plan_row[0]
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -193,7 +210,7 @@ class FwdSm90:
                 self.load(
                     tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
                     sQ, sK, sV, q_full, k_producer, v_producer,
-                    m_block, head, batch, n_begin, n_end,
+                    m_block, head, batch, n_begin, n_end, seg,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -202,7 +219,7 @@ class FwdSm90:
                 sQ, sK, sV, q_full, k_consumer, v_consumer,
                 wg - 1, tidx % WARPGROUP, warp,
                 m_block, head, batch, n_begin, n_end, masked_end, masked_begin,
-                seqlen_q, seqlen_k, band_lo, band_hi, softcap_scale,
+                seqlen_q, seqlen_k, band_lo, band_hi, softcap_scale, seg,
             )
 
     def _kv_pipeline(self, barriers, tx_bytes):
@@ -222,7 +239,7 @@ class FwdSm90:
         self,
         tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
         sQ, sK, sV, q_full, k_producer, v_producer,
-        m_block: Int32, head: Int32, batch: Int32, n_begin: Int32, n_end: Int32,
+        m_block: Int32, head: Int32, batch: Int32, n_begin: Int32, n_end: Int32, seg,
     ):
         d = self.head_dim
         if n_end > n_begin:
@@ -251,12 +268,23 @@ class FwdSm90:
             )
             # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
             # K runs one block ahead of V.
-            n_last = n_end - 1
-            k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, n_last], tKsK)
-            for i in cutlass.range(1, n_end - n_begin, unroll=1):
-                k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, n_last - i], tKsK)
-                v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, n_last - i + 1], tVsV)
-            v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, n_begin], tVsV)
+            visits = n_end - n_begin
+            k_block = self._kv_block(0, n_end, seg)
+            k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, k_block], tKsK)
+            for i in cutlass.range(1, visits, unroll=1):
+                v_block = k_block
+                k_block = self._kv_block(i, n_end, seg)
+                k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, k_block], tKsK)
+                v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, v_block], tVsV)
+            v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, k_block], tVsV)
+
+    @cute.jit
+    def _kv_block(self, i: Int32, n_end: Int32, seg):
+        """The key block of visit i: from the last block down, or the plan's."""
+        block = n_end - 1 - i
+        if cutlass.const_expr(self.segments):
+            block, _ = segments.visit(seg.plan_row, i)
+        return block
 
     @staticmethod
     def _tma_block(producer, atom, src, ring):
@@ -276,9 +304,10 @@ class FwdSm90:
         m_block: Int32, head: Int32, batch: Int32,
         n_begin: Int32, n_end: Int32, masked_end: Int32, masked_begin: Int32,
         seqlen_q: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32,
+        softcap_scale: Float32, seg,
     ):
-        """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range."""
+        """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range;
+        in segment variants, the plan's visits 0 .. n_end - 1."""
         d, tile_n = self.head_dim, self.tile_n
         sQc = sQ[None, None, c]
         pv_mma = self._pv_mma()
@@ -306,7 +335,7 @@ class FwdSm90:
             cute.arch.mbarrier_wait(q_full, 0)
 
             # First visited block: S and softmax only; its PV runs in the next step.
-            n_last = n_end - 1
+            n_last = self._kv_block(0, n_end, seg)
             acc_s = thr_qk.make_fragment_C(s_shape)
             k_handle = k_consumer.wait_and_advance()
             self._wait_turn(c)
@@ -317,33 +346,40 @@ class FwdSm90:
             s_rc = rows_cols(acc_s)
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
-            mask.mask_block(
-                s_rc, coord_s, row0, n_last * tile_n, seqlen_k, band_lo, band_hi, self.causal
-            )
+            self._mask(s_rc, coord_s, row0, n_last, seqlen_k, band_lo, band_hi, seg, 1)
             softmax.step(s_rc, o_scale)
             r_p.store(acc_s.load().to(self.dtype))
 
-            # Then, downwards: the rest of the top masked blocks, the whole ones, and
-            # the ones the band's left edge cuts.
-            for i in cutlass.range(masked_end - 1, unroll=1):
-                k_consumer, v_consumer = self._step(
-                    True, n_last - 1 - i, thr_qk, s_shape, tSrQ, tSrK, tOrV,
-                    tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
-                    c, row0, seqlen_k, band_lo, band_hi, softcap_scale,
-                )
-            n_whole_top = n_end - masked_end - 1
-            for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
-                k_consumer, v_consumer = self._step(
-                    False, n_whole_top - i, thr_qk, s_shape, tSrQ,
-                    tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                    v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale,
-                )
-            for i in cutlass.range(masked_begin, unroll=1):
-                k_consumer, v_consumer = self._step(
-                    True, n_begin + masked_begin - 1 - i, thr_qk, s_shape, tSrQ,
-                    tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                    v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale,
-                )
+            if cutlass.const_expr(self.segments):
+                for i in cutlass.range(1, n_end, unroll=1):
+                    n_block, masked = segments.visit(seg.plan_row, i)
+                    k_consumer, v_consumer = self._step(
+                        True, n_block, thr_qk, s_shape, tSrQ, tSrK, tOrV,
+                        tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
+                        c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, masked,
+                    )
+            else:
+                # Downwards: the rest of the top masked blocks, the whole ones, and the
+                # ones the band's left edge cuts.
+                for i in cutlass.range(masked_end - 1, unroll=1):
+                    k_consumer, v_consumer = self._step(
+                        True, n_last - 1 - i, thr_qk, s_shape, tSrQ, tSrK, tOrV,
+                        tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
+                        c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
+                    )
+                n_whole_top = n_end - masked_end - 1
+                for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
+                    k_consumer, v_consumer = self._step(
+                        False, n_whole_top - i, thr_qk, s_shape, tSrQ,
+                        tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
+                        v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
+                    )
+                for i in cutlass.range(masked_begin, unroll=1):
+                    k_consumer, v_consumer = self._step(
+                        True, n_begin + masked_begin - 1 - i, thr_qk, s_shape, tSrQ,
+                        tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
+                        v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
+                    )
 
             # PV of the last visited block.
             self._rescale(acc_o, o_scale)
@@ -367,10 +403,11 @@ class FwdSm90:
         thr_qk, s_shape, tSrQ, tSrK, tOrV, tOrP, r_p, acc_o, coord_s,
         softmax, o_scale, k_consumer, v_consumer,
         c: Int32, row0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32,
+        softcap_scale: Float32, seg, masked: Int32,
     ):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
-        overlapping the PV product (j = n_block; P_{j+1} is in r_p)."""
+        overlapping the PV product (j = n_block; P_{j+1} is in r_p). Segment variants
+        mask when the plan's `masked` flag says so."""
         acc_s = thr_qk.make_fragment_C(s_shape)
         k_handle = k_consumer.wait_and_advance()
         self._wait_turn(c)
@@ -385,9 +422,7 @@ class FwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores(s_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            mask.mask_block(
-                s_rc, coord_s, row0, n_block * self.tile_n, seqlen_k, band_lo, band_hi, self.causal
-            )
+            self._mask(s_rc, coord_s, row0, n_block, seqlen_k, band_lo, band_hi, seg, masked)
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         v_handle.release()
@@ -434,6 +469,21 @@ class FwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     # ------------------------------------------------------------------ helpers
+    @cute.jit
+    def _mask(
+        self, s_rc, coord_s, row0: Int32, n_block: Int32, seqlen_k: Int32,
+        band_lo: Int32, band_hi: Int32, seg, masked: Int32,
+    ):
+        """Element masking of key block n_block: the band's, or, in segment variants,
+        the per-row ranges and ids' when the plan flags the block (`masked`)."""
+        col0 = n_block * self.tile_n
+        if cutlass.const_expr(self.segments):
+            if masked != 0:
+                segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
+                                    seg.seqlen_q, seqlen_k)
+        else:
+            mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.causal)
+
     # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _qk_mma(self):
         k_major = OperandMajorMode.K

@@ -137,19 +137,20 @@ def test_traced_static_arguments():
 # ------------------------------------------------- capability gaps: supports and "cute"
 
 GQA_KV = sds(2, 24, 2, 64)
+SEGMENTS_AND_SOFTCAP = "softcap together with segment ids or lengths"
 FEATURES = [
-    (Q, KV, KV, dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24)), "segment ids"),
-    (Q, KV, KV, dict(kv_lengths=ints(2)), "q_lengths / kv_lengths"),
-    (Q, KV, KV, dict(q_lengths=ints(2)), "q_lengths / kv_lengths"),
-    # The first gap is named; GQA, windows and softcap are in the kernels.
+    # GQA, windows and sinks are in the kernels; softcap and segments are not combined.
     (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0, kv_lengths=ints(2)),
-     "q_lengths / kv_lengths"),
-    (Q, KV, KV, dict(causal=True, alignment="top_left", kv_lengths=ints(2)),
-     "q_lengths / kv_lengths"),
+     SEGMENTS_AND_SOFTCAP),
     (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32), q_segment_ids=ints(2, 16),
-                     kv_segment_ids=ints(2, 24)), "segment ids"),
-    (sds(2, 16, 4, 192), sds(2, 24, 4, 192), sds(2, 24, 4, 128),
-     dict(sinks=sds(4, dtype=F32), kv_lengths=ints(2)), "q_lengths / kv_lengths"),
+                     kv_segment_ids=ints(2, 24)), SEGMENTS_AND_SOFTCAP),
+]
+# Segment ids and lengths run the segment kernels (kernels/sm90/segments.py).
+SEGMENT_CALLS = [
+    dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24)),
+    dict(kv_lengths=ints(2)),
+    dict(q_lengths=ints(2), causal=True, alignment="top_left"),
+    dict(window=(3, None), q_lengths=ints(2), kv_lengths=ints(2), sinks=sds(4, dtype=F32)),
 ]
 
 
@@ -167,13 +168,28 @@ def test_features_are_refused_by_the_kernel_path(hopper, q, k, v, kwargs, featur
     assert "jax_fa4_fwd" not in lowered
 
 
+@pytest.mark.parametrize("kwargs", SEGMENT_CALLS)
+def test_segment_calls_take_the_segment_kernels(hopper, kwargs):
+    assert jax_fa4.supports(Q, KV, KV, **kwargs) == (True, "")
+    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.ShapeDtypeStruct)}
+    static = {n: x for n, x in kwargs.items() if n not in arrays}
+    for grad in (False, True):
+        def f(q, k, v, arrays):
+            return jax_fa4.attention(q, k, v, **static, **arrays).astype(F32).sum()
+
+        fn = jax.grad(f, (0, 1, 2)) if grad else f
+        lowered = jax.jit(fn).trace(Q, KV, KV, arrays).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "jax_fa4_fwd" in lowered and ("jax_fa4_bwd" in lowered) == grad
+
+
 def test_feature_refusal_comes_before_other_gaps(monkeypatch):
     monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
     f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
-    lengths = dict(kv_lengths=ints(2))
-    with pytest.raises(NotImplementedError, match="do not support q_lengths / kv_lengths yet"):
-        jax_fa4.attention(f32, f32, f32, implementation="cute", **lengths)
-    assert "kv_lengths" in jax_fa4.supports(f32, f32, f32, **lengths)[1]
+    both = dict(kv_lengths=ints(2), softcap=2.0)
+    with pytest.raises(NotImplementedError, match=f"do not support {SEGMENTS_AND_SOFTCAP} yet"):
+        jax_fa4.attention(f32, f32, f32, implementation="cute", **both)
+    assert SEGMENTS_AND_SOFTCAP in jax_fa4.supports(f32, f32, f32, **both)[1]
 
 
 def test_varlen_is_refused_by_the_kernel_path(hopper):

@@ -389,3 +389,50 @@ def test_causal_automatic_ring_trades_halves_into_the_zigzag_layout(mesh):
     zig, back = trade(x)
     np.testing.assert_array_equal(zig, jax_fa4.zigzag(x, n))
     np.testing.assert_array_equal(back, x)
+
+
+def _segment_ids(b, s):
+    """Two packed documents per row."""
+    return jnp.broadcast_to((jnp.arange(s) >= s // 3).astype(jnp.int32), (b, s))
+
+
+def test_segment_kernels_partition_over_batch_and_heads(built, mesh):
+    q, k, v, dout = inputs()
+    ids = dict(q_segment_ids=_segment_ids(8, 24), kv_segment_ids=_segment_ids(8, 40),
+               kv_lengths=jnp.full((8,), 35, jnp.int32))
+    spec = _api._plan(q, k, v, causal=True, softmax_scale=None, return_lse=False,
+                      implementation=None, **ids)
+    assert spec.path == "platform" and spec.segments, spec
+    shard = NamedSharding(mesh, P("data", None, "model", None))
+
+    def loss(q, k, v, dout, ids):
+        out = jax_fa4.attention(q, k, v, causal=True, **ids)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    id_shard = {name: NamedSharding(mesh, P("data")) for name in ids}
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)),
+                   in_shardings=(shard,) * 4 + (id_shard,))
+    assert step.lower(q, k, v, dout, ids).as_text().count("@CustomSPMDPartitioning") == 2
+    text = compiled_text(step, q, k, v, dout, ids)
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    assert scalar_all_reduces(text)
+    value, grads = step(q, k, v, dout, ids)
+    ref = jax.value_and_grad(lambda q, k, v: jnp.sum(jax_fa4.attention(
+        q, k, v, causal=True, implementation="reference", **ids).astype(jnp.float32)
+        * dout.astype(jnp.float32)), argnums=(0, 1, 2))
+    ref_value, ref_grads = ref(q, k, v)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+
+
+def test_segment_kernels_refuse_a_sharded_sequence(built, mesh):
+    q, k, v, _ = inputs(sk=24)
+    ids = dict(q_segment_ids=_segment_ids(8, 24), kv_segment_ids=_segment_ids(8, 24))
+    shard = NamedSharding(mesh, P("data", "model", None, None))
+    fwd = jax.jit(lambda q, k, v, ids: jax_fa4.attention(q, k, v, **ids),
+                  in_shardings=(shard,) * 3 + ({n: NamedSharding(mesh, P("data", "model"))
+                                                for n in ids},))
+    with pytest.raises(Exception, match="segment ids and lengths are not partitioned"):
+        fwd.lower(q, k, v, ids).compile()

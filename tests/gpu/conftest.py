@@ -31,29 +31,43 @@ ATOL = 2 * float(np.finfo(np.float32).eps) * 0.3
 _STATIC = ("causal", "softmax_scale", "compute_dtype", "alignment", "window", "softcap")
 
 
+# `segments`: None or a dict of attention's segment ids / lengths arrays (None entries
+# allowed), passed as a traced argument.
+
+
+def _visible(q, k, segments, mask):
+    """The (B, Sq, Sk) visibility of a call with segment ids or lengths; None without."""
+    if not segments:
+        return None
+    band = {name: mask[name] for name in ("causal", "alignment", "window")}
+    return _masks.padded(q.shape[-3], k.shape[-3], **band, **segments).mask
+
+
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _reference(q, k, v, sinks, *, causal, softmax_scale, compute_dtype, alignment, window,
-               softcap):
+def _reference(q, k, v, sinks, segments, *, causal, softmax_scale, compute_dtype, alignment,
+               window, softcap):
     return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                compute_dtype=compute_dtype, sinks=sinks, alignment=alignment,
-                               window=window, softcap=softcap)
+                               window=window, softcap=softcap, **(segments or {}))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _reference_backward(q, k, v, dout, dlse, sinks, *, causal, softmax_scale, compute_dtype,
-                        alignment, window, softcap):
+def _reference_backward(q, k, v, dout, dlse, sinks, segments, *, causal, softmax_scale,
+                        compute_dtype, alignment, window, softcap):
     # With sinks, the FlashAttention backward from the sunk out and lse is still exact
     # for q, k, v: the sink is a key with no value, so D = rowsum(dO * O) - dlse holds.
     mask = {"causal": causal, "alignment": alignment, "window": window, "softcap": softcap}
     out, lse = reference_attention(q, k, v, softmax_scale=softmax_scale,
-                                   compute_dtype=compute_dtype, sinks=sinks, **mask)
+                                   compute_dtype=compute_dtype, sinks=sinks, **mask,
+                                   **(segments or {}))
     return reference_backward(q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale,
-                              compute_dtype=compute_dtype, **mask)
+                              compute_dtype=compute_dtype, **mask,
+                              visible=_visible(q, k, segments, mask))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _dv_floor(q, k, v, dout, sinks, *, causal, softmax_scale, compute_dtype, alignment,
-              window, softcap):
+def _dv_floor(q, k, v, dout, sinks, segments, *, causal, softmax_scale, compute_dtype,
+              alignment, window, softcap):
     """dv of the FlashAttention backward computed exactly but for the one rounding the
     algorithm itself makes: P, from float32 S and lse, rounded to compute_dtype before
     dV = P^T dO in float32. dv is the only gradient whose error can come down to that
@@ -63,7 +77,7 @@ def _dv_floor(q, k, v, dout, sinks, *, causal, softmax_scale, compute_dtype, ali
     f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
     mask = {"causal": causal, "alignment": alignment, "window": window}
     _, lse = reference_attention(*f32[:3], softmax_scale=softmax_scale, sinks=sinks,
-                                 softcap=softcap, **mask)
+                                 softcap=softcap, **mask, **(segments or {}))
     *lead, sq, heads_q, head_dim = q.shape
     heads_kv = k.shape[-2]
     grouped = lambda x: x.reshape(*lead, sq, heads_kv, -1, x.shape[-1])  # noqa: E731
@@ -73,9 +87,9 @@ def _dv_floor(q, k, v, dout, sinks, *, causal, softmax_scale, compute_dtype, ali
         s = jnp.float32(softcap) * jnp.tanh(s / jnp.float32(softcap))
     lse = lse.reshape(*lead, heads_kv, -1, sq)[..., None]
     visible = jnp.isfinite(lse)
-    band = _masks.padded(sq, k.shape[-3], **mask).mask
+    band = _masks.padded(sq, k.shape[-3], **mask, **(segments or {})).mask
     if band is not None:
-        visible = visible & band
+        visible = visible & (band[:, None, None] if band.ndim == 3 else band)
     p = jnp.where(visible, jnp.exp(s - jnp.where(jnp.isfinite(lse), lse, 0.0)), 0.0)
     p = p.astype(compute_dtype).astype(jnp.float32)
     dv = jnp.einsum("...hgqk,...qhgd->...khd", p, grouped(f32[3]), precision="highest")
@@ -83,7 +97,7 @@ def _dv_floor(q, k, v, dout, sinks, *, causal, softmax_scale, compute_dtype, ali
 
 
 def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sinks=None,
-                        alignment="bottom_right", window=None, softcap=None):
+                        alignment="bottom_right", window=None, softcap=None, segments=None):
     """-> ((dq, dk, dv) float32, (dq, dk, dv) in the input dtype's math): the gradients
     for the cotangents dout of out (B, Sq, H, D) and dlse of lse (B, H, Sq) float32.
 
@@ -94,24 +108,25 @@ def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sink
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
     mask = {"causal": causal, "alignment": alignment, "window": window, "softcap": softcap}
-    ref = _reference_backward(*f32, dlse, sinks, softmax_scale=scale, compute_dtype="float32",
-                              **mask)
-    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, sinks, softmax_scale=scale,
-                             compute_dtype=jnp.dtype(q.dtype).name, **mask)
-    floor = _dv_floor(q, k, v, dout, sinks, softmax_scale=scale,
+    ref = _reference_backward(*f32, dlse, sinks, segments, softmax_scale=scale,
+                              compute_dtype="float32", **mask)
+    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, sinks, segments,
+                             softmax_scale=scale, compute_dtype=jnp.dtype(q.dtype).name, **mask)
+    floor = _dv_floor(q, k, v, dout, sinks, segments, softmax_scale=scale,
                       compute_dtype=jnp.dtype(q.dtype).name, **mask)
     err = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float32) - ref[2])))  # noqa: E731
     return ref, (*lp[:2], max(lp[2], floor, key=err))
 
 
 def references(q, k, v, *, causal, softmax_scale=None, sinks=None, alignment="bottom_right",
-               window=None, softcap=None):
+               window=None, softcap=None, segments=None):
     """-> ((out_ref, lse_ref) float32, (out_lp, lse_lp) in the input dtype's math)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     mask = {"causal": causal, "alignment": alignment, "window": window, "softcap": softcap}
-    ref = _reference(*f32, sinks, softmax_scale=scale, compute_dtype="float32", **mask)
-    lp = _reference(q, k, v, sinks, softmax_scale=scale,
+    ref = _reference(*f32, sinks, segments, softmax_scale=scale, compute_dtype="float32",
+                     **mask)
+    lp = _reference(q, k, v, sinks, segments, softmax_scale=scale,
                     compute_dtype=jnp.dtype(q.dtype).name, **mask)
     return ref, lp
 
@@ -150,7 +165,7 @@ def assert_rule(what, got, ref, lp, rtol=RTOL, atol=ATOL):
 
 def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None, **mask):
     """out and lse of attention(q, k, v) against the rule; mask: sinks, alignment,
-    window, softcap as `references` takes them."""
+    window, softcap, segments as `references` takes them."""
     (out_ref, lse_ref), (out_lp, lse_lp) = references(q, k, v, causal=causal,
                                                       softmax_scale=softmax_scale, **mask)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32

@@ -1,0 +1,128 @@
+"""The segment kernels' runtime inputs (kernels/sm90/segments.py), computed with jnp.
+
+Segment ids, lengths, the band (causal / window, either alignment) and their
+combinations all become two arrays:
+    rows (B, 3, Sq) int32: per query row i, [key_begin, key_end) and its segment id;
+        row i sees key j iff key_begin <= j < key_end and keys[j] equals its id;
+    keys (B, Sk) int32: per key, its segment id.
+An empty range is (0, 0). From those, `forward_plan` / `backward_plan` list per tile the
+blocks that hold a visible key (by each tile's and block's range of keys and ids: sorted
+or packed ids skip well, unsorted ones stay correct), and flag the blocks that every row
+of the tile sees whole, which need no element masking.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+# Beyond any sequence position a GPU holds; window sides are clamped to it.
+_FAR = 1 << 30
+
+
+def padded_rows(spec, sq: int, sk: int, *, q_segment_ids=None, kv_segment_ids=None,
+                q_lengths=None, kv_lengths=None, batch: int):
+    """rows (B, 3, Sq), keys (B, Sk) for `attention`'s padded features (the visibility of
+    `_masks.padded`)."""
+    i = jnp.arange(sq, dtype=jnp.int32)[None, :]
+    lq = jnp.full((batch, 1), sq, jnp.int32)
+    lk = jnp.full((batch, 1), sk, jnp.int32)
+    if q_lengths is not None:
+        lq = jnp.clip(q_lengths, 0, sq)[:, None]
+    if kv_lengths is not None:
+        lk = jnp.clip(kv_lengths, 0, sk)[:, None]
+    aligned = i + (lk - lq if spec.alignment == "bottom_right" else 0)
+    left, right = spec.window_left, 0 if spec.causal else spec.window_right
+    begin = jnp.zeros_like(aligned) if left is None else aligned - min(left, _FAR)
+    end = lk if right is None else aligned + min(right, _FAR) + 1
+    begin, end = jnp.maximum(begin, 0), jnp.minimum(end, lk)
+    ids = jnp.zeros((batch, sq), jnp.int32) if q_segment_ids is None else q_segment_ids
+    keys = jnp.zeros((batch, sk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
+    return _rows(begin, end, ids, valid=i < lq), keys
+
+
+def _rows(begin, end, ids, valid):
+    empty = ~valid | (begin >= end)
+    begin = jnp.where(empty, 0, begin)
+    end = jnp.where(empty, 0, end)
+    return jnp.stack([begin, end, ids], axis=-2).astype(jnp.int32)
+
+
+def visibility(rows, keys):
+    """bool (B, Sq, Sk): which keys each row sees, for the reference."""
+    j = jnp.arange(keys.shape[-1], dtype=jnp.int32)
+    begin, end, ids = rows[..., 0, :, None], rows[..., 1, :, None], rows[..., 2, :, None]
+    return (begin <= j) & (j < end) & (ids == keys[..., None, :])
+
+
+def _tile_summaries(rows, tile_m):
+    """Per query tile (B, tiles): the union of its rows' key ranges [lo, hi) and their
+    ids' range (over rows that see something), and the keys every row sees,
+    [max begin, min end). Rows past Sq do not count."""
+    b, _, sq = rows.shape
+    tiles = -(-sq // tile_m)
+    pad = tiles * tile_m - sq
+
+    def tiled(x, fill):
+        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(b, tiles, tile_m)
+
+    begin, end, ids = rows[:, 0], rows[:, 1], rows[:, 2]
+    sees = end > begin
+    big, small = jnp.int32(_FAR), jnp.int32(-_FAR)
+    lo = tiled(jnp.where(sees, begin, big), big).min(-1)
+    hi = tiled(jnp.where(sees, end, 0), 0).max(-1)
+    id_lo = tiled(jnp.where(sees, ids, jnp.iinfo(jnp.int32).max), jnp.iinfo(jnp.int32).max).min(-1)
+    id_hi = tiled(jnp.where(sees, ids, jnp.iinfo(jnp.int32).min), jnp.iinfo(jnp.int32).min).max(-1)
+    all_begin = tiled(begin, small).max(-1)
+    all_end = tiled(end, big).min(-1)
+    return lo, hi, id_lo, id_hi, all_begin, all_end
+
+
+def _block_summaries(keys, tile_n):
+    """Per key block (B, blocks): its ids' range and whether it is whole (no Sk tail)."""
+    b, sk = keys.shape
+    blocks = -(-sk // tile_n)
+    pad = blocks * tile_n - sk
+    imax, imin = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+    id_lo = jnp.pad(keys, ((0, 0), (0, pad)), constant_values=imax).reshape(b, blocks, tile_n)
+    id_hi = jnp.pad(keys, ((0, 0), (0, pad)), constant_values=imin).reshape(b, blocks, tile_n)
+    n = jnp.arange(blocks, dtype=jnp.int32)
+    return id_lo.min(-1), id_hi.max(-1), ((n + 1) * tile_n <= sk)[None, :]
+
+
+def _visits(rows, keys, tile_m, tile_n):
+    """(visit, masked), bool (B, query tiles, key blocks)."""
+    lo, hi, q_lo, q_hi, all_begin, all_end = (x[:, :, None] for x in _tile_summaries(rows, tile_m))
+    k_lo, k_hi, whole_block = (x[:, None, :] for x in _block_summaries(keys, tile_n))
+    start = jnp.arange(k_lo.shape[-1], dtype=jnp.int32) * tile_n
+    stop = start + tile_n
+    visit = (lo < stop) & (hi > start) & (q_lo <= k_hi) & (k_lo <= q_hi)
+    whole = (whole_block & (all_begin <= start) & (all_end >= stop)
+             & (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
+    return visit, visit & ~whole
+
+
+def forward_plan(rows, keys, tile_m: int, tile_n: int):
+    """(B, query tiles, 1 + key blocks) int32: per query tile, the count of key blocks it
+    visits, then (block << 1) | masked for each, from the last block to the first."""
+    visit, masked = _visits(rows, keys, tile_m, tile_n)
+    n = jnp.arange(visit.shape[-1], dtype=jnp.int32)
+    code = jnp.where(visit, n * 2 + masked, -1)
+    order = -jnp.sort(-code, axis=-1)  # descending; unvisited (-1) last
+    count = visit.sum(-1, dtype=jnp.int32)
+    return jnp.concatenate([count[..., None], order], axis=-1)
+
+
+def backward_plan(rows, keys, tile_m: int, tile_n: int):
+    """(B, key blocks, 1 + 2 * query tiles) int32: per key block, the count of query
+    tiles it visits, (tile << 1) | masked for each in ascending order, then each visit's
+    deterministic dQ turn: how many higher key blocks visit the same tile."""
+    visit, masked = _visits(rows, keys, tile_m, tile_n)  # (B, tiles, blocks)
+    tiles = visit.shape[1]
+    m = jnp.arange(tiles, dtype=jnp.int32)[:, None]
+    code = jnp.where(visit, m * 2 + masked, jnp.iinfo(jnp.int32).max)
+    order = jnp.swapaxes(jnp.sort(code, axis=1), 1, 2)  # (B, blocks, tiles) ascending
+    count = visit.sum(1, dtype=jnp.int32)
+    above = jnp.flip(jnp.cumsum(jnp.flip(visit, -1), -1, dtype=jnp.int32), -1) - visit
+    visited_tile = jnp.minimum(order >> 1, tiles - 1)
+    turns = jnp.take_along_axis(jnp.swapaxes(above, 1, 2), visited_tile, axis=-1)
+    return jnp.concatenate([count[..., None], order, turns], axis=-1).astype(jnp.int32)

@@ -1,0 +1,82 @@
+"""The segment kernels' inputs (jax_fa4/_segment_plan.py) against the reference's
+visibility (`_masks.padded`), for random segment ids (sorted and not), lengths, bands and
+both alignments, at the kernels' tile shapes:
+
+- rows and keys give exactly the reference's visibility;
+- every (tile, block) pair holding a visible pair is in both plans, with the same
+  masked flag; an unmasked pair is seen whole (no Sq / Sk tail);
+- the forward lists key blocks in descending order, the backward query tiles in
+  ascending order, and the deterministic turns of a tile's key blocks count 0, 1, ...
+  from the highest block down.
+"""
+
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_fa4 import _masks, _segment_plan
+
+TILES = ((64, 128), (128, 128), (192, 128), (128, 80), (64, 64))
+
+
+def _draw(seed):
+    rng = np.random.default_rng(seed)
+    b, sq, sk = 2, int(rng.integers(1, 300)), int(rng.integers(1, 300))
+    causal = bool(rng.integers(2))
+    left = None if rng.integers(2) else int(rng.integers(0, 50))
+    right = None if causal or rng.integers(2) else int(rng.integers(0, 50))
+    spec = types.SimpleNamespace(alignment=("bottom_right", "top_left")[rng.integers(2)],
+                                 causal=causal, window_left=left, window_right=right)
+    n = int(rng.integers(1, 5))
+    q_ids, k_ids = rng.integers(0, n, (b, sq)), rng.integers(0, n, (b, sk))
+    if seed % 3:  # packed documents: sorted ids
+        q_ids, k_ids = np.sort(q_ids, -1), np.sort(k_ids, -1)
+    arrays = dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32),
+                  kv_segment_ids=jnp.asarray(k_ids, jnp.int32),
+                  q_lengths=jnp.asarray(rng.integers(0, sq + 2, b), jnp.int32) if seed % 2 else None,
+                  kv_lengths=jnp.asarray(rng.integers(0, sk + 2, b), jnp.int32) if seed % 4 == 1 else None)
+    return spec, b, sq, sk, arrays
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_plans_cover_exactly_the_visible_blocks(seed):
+    spec, b, sq, sk, arrays = _draw(seed)
+    tile_m, tile_n = TILES[seed % len(TILES)]
+    rows, keys = _segment_plan.padded_rows(spec, sq, sk, batch=b, **arrays)
+    window = None if (spec.window_left, spec.window_right) == (None, None) else (
+        spec.window_left, spec.window_right)
+    ref = _masks.padded(sq, sk, causal=spec.causal, alignment=spec.alignment, window=window,
+                        **arrays).mask
+    visible = np.asarray(_segment_plan.visibility(rows, keys))
+    np.testing.assert_array_equal(visible, np.broadcast_to(np.asarray(ref), (b, sq, sk)))
+
+    fwd = np.asarray(_segment_plan.forward_plan(rows, keys, tile_m, tile_n))
+    bwd = np.asarray(_segment_plan.backward_plan(rows, keys, tile_m, tile_n))
+    tiles, blocks = -(-sq // tile_m), -(-sk // tile_n)
+    assert fwd.shape == (b, tiles, 1 + blocks) and bwd.shape == (b, blocks, 1 + 2 * tiles)
+    for batch in range(b):
+        fwd_visits, bwd_visits = {}, {}
+        for m in range(tiles):
+            entries = fwd[batch, m, 1:1 + fwd[batch, m, 0]]
+            assert (np.diff(entries >> 1) < 0).all()
+            fwd_visits.update({(m, e >> 1): e & 1 for e in entries})
+        for n in range(blocks):
+            count = bwd[batch, n, 0]
+            entries = bwd[batch, n, 1:1 + count]
+            turns = bwd[batch, n, 1 + tiles:1 + tiles + count]
+            assert (np.diff(entries >> 1) > 0).all()
+            bwd_visits.update({(e >> 1, n): (e & 1, t) for e, t in zip(entries, turns)})
+        assert fwd_visits.keys() == bwd_visits.keys()
+        for m in range(tiles):
+            for n in range(blocks):
+                block = visible[batch, m * tile_m:(m + 1) * tile_m, n * tile_n:(n + 1) * tile_n]
+                if block.any():
+                    assert (m, n) in fwd_visits
+                if fwd_visits.get((m, n)) == 0:
+                    assert block.all() and block.shape == (min(tile_m, sq - m * tile_m), tile_n)
+                if (m, n) in fwd_visits:
+                    assert bwd_visits[(m, n)][0] == fwd_visits[(m, n)]
+            down = sorted((n for (t, n) in bwd_visits if t == m), reverse=True)
+            assert [bwd_visits[(m, n)][1] for n in down] == list(range(len(down)))
