@@ -38,14 +38,10 @@ def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool,
     configuration, None if there is none."""
     key = (kind, dtype, head_dim, causal, softcap, segments)
     for entry in _MANIFEST:
-        if _key(entry) == key:
+        if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"],
+                entry.get("softcap", False), entry.get("segments", False)) == key:
             return dict(entry)
     return None
-
-
-def _key(entry: dict) -> tuple:
-    return (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"],
-            entry.get("softcap", False), entry.get("segments", False))
 
 
 def _register_targets() -> None:

@@ -17,6 +17,8 @@ import jax.numpy as jnp
 
 # Beyond any sequence position a GPU holds; window sides are clamped to it.
 _FAR = 1 << 30
+# Neutral elements of min / max over int32 ids.
+_ID_MAX, _ID_MIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
 
 
 def padded_rows(spec, sq: int, sk: int, *, q_segment_ids=None, kv_segment_ids=None,
@@ -67,13 +69,12 @@ def _tile_summaries(rows, tile_m):
 
     begin, end, ids = rows[:, 0], rows[:, 1], rows[:, 2]
     sees = end > begin
-    big, small = jnp.int32(_FAR), jnp.int32(-_FAR)
-    lo = tiled(jnp.where(sees, begin, big), big).min(-1)
+    lo = tiled(jnp.where(sees, begin, _FAR), _FAR).min(-1)
     hi = tiled(jnp.where(sees, end, 0), 0).max(-1)
-    id_lo = tiled(jnp.where(sees, ids, jnp.iinfo(jnp.int32).max), jnp.iinfo(jnp.int32).max).min(-1)
-    id_hi = tiled(jnp.where(sees, ids, jnp.iinfo(jnp.int32).min), jnp.iinfo(jnp.int32).min).max(-1)
-    all_begin = tiled(begin, small).max(-1)
-    all_end = tiled(end, big).min(-1)
+    id_lo = tiled(jnp.where(sees, ids, _ID_MAX), _ID_MAX).min(-1)
+    id_hi = tiled(jnp.where(sees, ids, _ID_MIN), _ID_MIN).max(-1)
+    all_begin = tiled(begin, -_FAR).max(-1)
+    all_end = tiled(end, _FAR).min(-1)
     return lo, hi, id_lo, id_hi, all_begin, all_end
 
 
@@ -81,17 +82,19 @@ def _block_summaries(keys, tile_n):
     """Per key block (B, blocks): its ids' range and whether it is whole (no Sk tail)."""
     b, sk = keys.shape
     blocks = -(-sk // tile_n)
-    pad = blocks * tile_n - sk
-    imax, imin = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
-    id_lo = jnp.pad(keys, ((0, 0), (0, pad)), constant_values=imax).reshape(b, blocks, tile_n)
-    id_hi = jnp.pad(keys, ((0, 0), (0, pad)), constant_values=imin).reshape(b, blocks, tile_n)
+
+    def tiled(fill):
+        padded = jnp.pad(keys, ((0, 0), (0, blocks * tile_n - sk)), constant_values=fill)
+        return padded.reshape(b, blocks, tile_n)
+
     n = jnp.arange(blocks, dtype=jnp.int32)
-    return id_lo.min(-1), id_hi.max(-1), ((n + 1) * tile_n <= sk)[None, :]
+    return tiled(_ID_MAX).min(-1), tiled(_ID_MIN).max(-1), ((n + 1) * tile_n <= sk)[None, :]
 
 
 def _visits(rows, keys, tile_m, tile_n):
     """(visit, masked), bool (B, query tiles, key blocks)."""
-    lo, hi, q_lo, q_hi, all_begin, all_end = (x[:, :, None] for x in _tile_summaries(rows, tile_m))
+    tiles = _tile_summaries(rows, tile_m)
+    lo, hi, q_lo, q_hi, all_begin, all_end = (x[:, :, None] for x in tiles)
     k_lo, k_hi, whole_block = (x[:, None, :] for x in _block_summaries(keys, tile_n))
     start = jnp.arange(k_lo.shape[-1], dtype=jnp.int32) * tile_n
     stop = start + tile_n
@@ -119,7 +122,7 @@ def backward_plan(rows, keys, tile_m: int, tile_n: int):
     visit, masked = _visits(rows, keys, tile_m, tile_n)  # (B, tiles, blocks)
     tiles = visit.shape[1]
     m = jnp.arange(tiles, dtype=jnp.int32)[:, None]
-    code = jnp.where(visit, m * 2 + masked, jnp.iinfo(jnp.int32).max)
+    code = jnp.where(visit, m * 2 + masked, _ID_MAX)
     order = jnp.swapaxes(jnp.sort(code, axis=1), 1, 2)  # (B, blocks, tiles) ascending
     count = visit.sum(1, dtype=jnp.int32)
     above = jnp.flip(jnp.cumsum(jnp.flip(visit, -1), -1, dtype=jnp.int32), -1) - visit

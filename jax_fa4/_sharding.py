@@ -205,7 +205,7 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 "along their sequence over the same mesh axes.")
     if seq is not None and not ring and "rows" in signature.operands:
         raise NotImplementedError(
-            f"jax_fa4.attention: segment ids and lengths are not partitioned over a sequence "
+            "jax_fa4.attention: segment ids and lengths are not partitioned over a sequence "
             f"sharded along {seq!r}: each query row's keys may lie on any device. Shard "
             "batch or heads.")
     if seq is not None and not ring:

@@ -181,13 +181,9 @@ class AttentionSpec:
         if self.kernel_dtype is None:
             return None
         need = max(self.head_dim, self.head_dim_v)
-        variant = ("fwd", self.kernel_dtype, self.banded, self.softcap is not None,
-                   self.segments)
-        built = [e["head_dim"] for e in _registry.manifest()
-                 if (e["kind"], e["dtype"], e["causal"], e.get("softcap", False),
-                     e.get("segments", False)) == variant
-                 and e["head_dim"] >= need]
-        return min(built, default=None)
+        head_dims = sorted({e["head_dim"] for e in _registry.manifest()})
+        return next((h for h in head_dims
+                     if h >= need and self._find_kernel("fwd", h) is not None), None)
 
     def for_kernel(self) -> AttentionSpec:
         """This spec at kernel_head_dim (D = Dv), the shape the kernel calls see."""
@@ -212,8 +208,10 @@ class AttentionSpec:
         if none was built (the kernel paths then differentiate with the reference)."""
         return self._find_kernel("bwd")
 
-    def _find_kernel(self, kind: str) -> dict | None:
-        head_dim = self.kernel_head_dim
+    def _find_kernel(self, kind: str, head_dim: int | None = None) -> dict | None:
+        """The manifest entry of this spec's variant at head_dim (default:
+        kernel_head_dim); None if none was built."""
+        head_dim = self.kernel_head_dim if head_dim is None else head_dim
         if head_dim is None:
             return None
         return _registry.find_kernel(kind, self.kernel_dtype, head_dim, self.banded,

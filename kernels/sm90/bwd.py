@@ -603,8 +603,8 @@ class BwdSm90:
         q0 = m * self.tile_m
         if cutlass.const_expr(self.segments):
             if masked != 0:
-                segments.mask_block_kq(s_rc, coord_s, key0, q0, seg.rows, seg.keys,
-                                       seg.seqlen_q, seqlen_k)
+                segments.mask_block(s_rc, coord_s, q0, key0, seg.rows, seg.keys,
+                                    seg.seqlen_q, seqlen_k, keys_along_rows=True)
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
                                self.causal)

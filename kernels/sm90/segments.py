@@ -46,56 +46,32 @@ def visit(plan_row: cute.Tensor, i: Int32):
 def mask_block(
     s_rc: cute.Tensor,
     coord_rc: cute.Tensor,
-    row0: Int32,
-    col0: Int32,
-    rows: cute.Tensor,
-    keys: cute.Tensor,
-    seqlen_q: Int32,
-    seqlen_k: Int32,
-):
-    """Set invisible scores of one (query rows, keys) block to -inf. `coord_rc` holds
-    each value's (row, col) inside the block, `row0`, `col0` place it; `rows` is this
-    batch's (3, Sq) view, `keys` its (Sk,) ids."""
-    n_rows = cute.size(s_rc, mode=[0])
-    n_cols = cute.size(s_rc, mode=[1])
-    col_ids = cute.make_rmem_tensor((n_cols,), Int32)
-    for c in cutlass.range_constexpr(n_cols):
-        col_ids[c] = keys[cutlass.min(col0 + coord_rc[0, c][1], seqlen_k - 1)]
-    for r in cutlass.range_constexpr(n_rows):
-        row = cutlass.min(row0 + coord_rc[r, 0][0], seqlen_q - 1)
-        begin = rows[KEY_BEGIN, row] - col0
-        end = rows[KEY_END, row] - col0
-        segment = rows[SEGMENT, row]
-        for c in cutlass.range_constexpr(n_cols):
-            col = coord_rc[r, c][1]
-            if col < begin or col >= end or col_ids[c] != segment:
-                s_rc[r, c] = -Float32.inf
-
-
-@cute.jit
-def mask_block_kq(
-    s_rc: cute.Tensor,
-    coord_rc: cute.Tensor,
-    key0: Int32,
     q0: Int32,
+    key0: Int32,
     rows: cute.Tensor,
     keys: cute.Tensor,
     seqlen_q: Int32,
     seqlen_k: Int32,
+    keys_along_rows: cutlass.Constexpr = False,
 ):
-    """mask_block for a transposed block S^T: rows are keys (from key0), columns are
-    query rows (from q0)."""
-    n_rows = cute.size(s_rc, mode=[0])
-    n_cols = cute.size(s_rc, mode=[1])
-    key_ids = cute.make_rmem_tensor((n_rows,), Int32)
-    for r in cutlass.range_constexpr(n_rows):
-        key_ids[r] = keys[cutlass.min(key0 + coord_rc[r, 0][0], seqlen_k - 1)]
-    for c in cutlass.range_constexpr(n_cols):
-        row = cutlass.min(q0 + coord_rc[0, c][1], seqlen_q - 1)
+    """Set invisible scores of one block to -inf. `coord_rc` holds each value's (row,
+    col) inside the block; query rows start at q0 and keys at key0, keys along the
+    block's columns, or along its rows for a transposed block S^T (`keys_along_rows`);
+    `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids."""
+    q_mode, k_mode = (1, 0) if keys_along_rows else (0, 1)
+    n_k = cute.size(s_rc, mode=[k_mode])
+    key_ids = cute.make_rmem_tensor((n_k,), Int32)
+    for j in cutlass.range_constexpr(n_k):
+        first = (j, 0) if keys_along_rows else (0, j)
+        key_ids[j] = keys[cutlass.min(key0 + coord_rc[first][k_mode], seqlen_k - 1)]
+    for t in cutlass.range_constexpr(cute.size(s_rc, mode=[q_mode])):
+        first = (0, t) if keys_along_rows else (t, 0)
+        row = cutlass.min(q0 + coord_rc[first][q_mode], seqlen_q - 1)
         begin = rows[KEY_BEGIN, row] - key0
         end = rows[KEY_END, row] - key0
         segment = rows[SEGMENT, row]
-        for r in cutlass.range_constexpr(n_rows):
-            key = coord_rc[r, c][0]
-            if key < begin or key >= end or key_ids[r] != segment:
-                s_rc[r, c] = -Float32.inf
+        for j in cutlass.range_constexpr(n_k):
+            at = (j, t) if keys_along_rows else (t, j)
+            key = coord_rc[at][k_mode]
+            if key < begin or key >= end or key_ids[j] != segment:
+                s_rc[at] = -Float32.inf

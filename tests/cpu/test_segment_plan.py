@@ -12,13 +12,19 @@ both alignments, at the kernels' tile shapes:
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_fa4 import _masks, _segment_plan
+import jax_fa4
+from jax_fa4 import _api, _masks, _segment_plan
 
 TILES = ((64, 128), (128, 128), (192, 128), (128, 80), (64, 64))
+
+
+def _lengths(rng, s, b):
+    return jnp.asarray(rng.integers(0, s + 2, b), jnp.int32)
 
 
 def _draw(seed):
@@ -35,8 +41,8 @@ def _draw(seed):
         q_ids, k_ids = np.sort(q_ids, -1), np.sort(k_ids, -1)
     arrays = dict(q_segment_ids=jnp.asarray(q_ids, jnp.int32),
                   kv_segment_ids=jnp.asarray(k_ids, jnp.int32),
-                  q_lengths=jnp.asarray(rng.integers(0, sq + 2, b), jnp.int32) if seed % 2 else None,
-                  kv_lengths=jnp.asarray(rng.integers(0, sk + 2, b), jnp.int32) if seed % 4 == 1 else None)
+                  q_lengths=_lengths(rng, sq, b) if seed % 2 else None,
+                  kv_lengths=_lengths(rng, sk, b) if seed % 4 == 1 else None)
     return spec, b, sq, sk, arrays
 
 
@@ -71,12 +77,62 @@ def test_plans_cover_exactly_the_visible_blocks(seed):
         assert fwd_visits.keys() == bwd_visits.keys()
         for m in range(tiles):
             for n in range(blocks):
-                block = visible[batch, m * tile_m:(m + 1) * tile_m, n * tile_n:(n + 1) * tile_n]
+                block = visible[batch, m * tile_m:(m + 1) * tile_m,
+                                n * tile_n:(n + 1) * tile_n]
                 if block.any():
                     assert (m, n) in fwd_visits
                 if fwd_visits.get((m, n)) == 0:
-                    assert block.all() and block.shape == (min(tile_m, sq - m * tile_m), tile_n)
+                    rows_in_tile = min(tile_m, sq - m * tile_m)
+                    assert block.all() and block.shape == (rows_in_tile, tile_n)
                 if (m, n) in fwd_visits:
                     assert bwd_visits[(m, n)][0] == fwd_visits[(m, n)]
             down = sorted((n for (t, n) in bwd_visits if t == m), reverse=True)
             assert [bwd_visits[(m, n)][1] for n in down] == list(range(len(down)))
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, window=(5, None)),
+    dict(alignment="top_left", causal=True),
+    dict(sinks=True),
+])
+def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
+    """On CPU the segment kernel path runs the reference from rows and keys: its out,
+    lse and gradients equal the reference path's (lengths and sinks: padding rows keep
+    lse = -inf)."""
+    b, sq, sk, h, d = 2, 40, 56, 4, 64
+    keys = jax.random.split(jax.random.key(0), 4)
+    q = jax.random.normal(keys[0], (b, sq, h, d), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (b, sk, 2, d), jnp.bfloat16) for x in keys[1:3])
+    def two_documents(s, starts):  # ids 0, then 1 from each row's start on
+        return (jnp.arange(s)[None] >= jnp.array(starts)[:, None]).astype(jnp.int32)
+
+    arrays = dict(q_segment_ids=two_documents(sq, [10, 30]),
+                  kv_segment_ids=two_documents(sk, [20, 40]),
+                  q_lengths=jnp.array([35, 0], jnp.int32),
+                  kv_lengths=jnp.array([50, 56], jnp.int32))
+    if kwargs.pop("sinks", False):
+        arrays["sinks"] = jax.random.normal(keys[3], (h,), jnp.float32)
+    spec = _api._plan(q, k, v, causal=kwargs.get("causal", False), softmax_scale=None,
+                      return_lse=True, implementation=None,
+                      **{n: x for n, x in kwargs.items() if n != "causal"}, **arrays)
+    assert spec.path == "platform" and spec.segments
+
+    def run(implementation):
+        def loss(q, k, v):
+            out, lse = jax_fa4.attention(q, k, v, return_lse=True, **kwargs, **arrays,
+                                         implementation=implementation)
+            finite_lse = jnp.where(jnp.isfinite(lse), lse, 0)
+            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(finite_lse), (out, lse)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+
+    (_, (out, lse)), grads = run(None)
+    (_, (ref_out, ref_lse)), ref_grads = run("reference")
+    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               atol=1e-2)
+    np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
+                               np.where(np.isinf(ref_lse), 0, ref_lse), rtol=1e-5, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   atol=3e-2)
