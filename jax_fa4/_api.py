@@ -3,12 +3,13 @@ kernel or reference."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _registry, _segment_plan, _sharding, _vjp
+from jax_fa4 import _masks, _pack_gqa, _registry, _segment_plan, _sharding, _vjp
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -29,7 +30,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     (+ exp(sink) inside the log with sinks). A query row that sees no key gives out = 0
     and lse = -inf (lse = sink with sinks), without NaN in values or gradients.
 
-    GQA / MQA: Hkv must divide Hq; query head h reads KV head h // (Hq // Hkv).
+    GQA / MQA: Hkv must divide Hq; query head h reads KV head h // (Hq // Hkv). With few
+        query rows (decode steps) the kernels run a group's query heads as rows of one
+        problem, reading K/V once per group (pack-GQA, `_pack_gqa`).
     Dv: v may have its own head_dim (e.g. D = 192, Dv = 128); out has Dv. The kernels
         run head dims they were not built for on inputs zero-padded to the next built
         one (`kernels()`), up to 256.
@@ -68,10 +71,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     implementation: None picks the kernel where it runs (Hopper GPU, supported
         configuration; decided per platform at lowering, so the same jitted function
         also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
-        and raises NotImplementedError with the reason when it cannot run here (the
-        kernels do not combine softcap with segment ids or lengths yet: those calls run
-        the reference; sinks are applied to the kernels' out and lse); "reference"
-        forces the reference.
+        and raises NotImplementedError with the reason when it cannot run here (every
+        feature above runs in the kernels; sinks are applied to the kernels' out and
+        lse); "reference" forces the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
     dv (and dsinks). Where the forward runs the kernel, so does the backward kernel
@@ -91,7 +93,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
 def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                      causal=False, softmax_scale=None, return_lse=False,
                      implementation=None, alignment="bottom_right", window=None,
-                     softcap=None, sinks=None):
+                     softcap=None, sinks=None, deterministic=False):
     """Attention over sequences of different lengths packed along one axis
     (FlashAttention's flash_attn_varlen_func).
 
@@ -102,25 +104,37 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         cumulative offsets: sequence s is q rows cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1
         and k/v rows cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1. Empty sequences are valid;
         q rows outside every sequence give out = 0 and lse = -inf.
-    max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length (the kernels
-        size their grid with them; the reference does not need them).
+    max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length (FlashAttention's
+        signature; the kernels size their grid from total_q and total_k and skip the
+        blocks no sequence joins, and the reference needs no bound).
     Every sequence is an independent `attention` call: positions, alignment (bottom-right
-    meets the sequence's last query and key) and window are per sequence. The other
-    arguments are those of `attention`.
+    meets the sequence's last query and key) and window are per sequence. The kernels run
+    the packed axis as one row with segment ids, so a query tile visits only its
+    sequences' key blocks. The other arguments are those of `attention`.
     """
     _check_implementation(implementation)
     spec = AttentionSpec.from_varlen_inputs(
         q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, alignment=alignment,
-        window=window, softcap=softcap, sinks=sinks)
-    spec = _choose_path(spec, implementation)
-    # No kernel takes varlen yet, so _choose_path always picks the reference. The packed
-    # axis is the sequence to guard: a unit batch axis gives the guard its layout.
-    q, k, v = (x[0] for x in _sharding.guard(spec, q[None], k[None], v[None]))
-    out, lse = reference_attention_varlen(
-        q, k, v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, sinks=sinks,
-        **spec.reference_options())
+        window=window, softcap=softcap, sinks=sinks, deterministic=deterministic)
+    spec = _with_packing(_choose_path(spec, implementation), q.shape[0])
+    # The packed axis is the sequence: a unit batch axis gives it the batch-first layout
+    # of the guard and the kernels.
+    q, k, v = q[None], k[None], v[None]
+    if spec.path == "reference":
+        q, k, v = _sharding.guard(spec, q, k, v)
+        out, lse = reference_attention_varlen(
+            q[0], k[0], v[0], cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            sinks=sinks, **spec.reference_options())
+    else:
+        total_q, total_k = q.shape[1], k.shape[1]
+        out, lse = _kernel_path(
+            spec, q, k, v,
+            lambda: _segment_plan.varlen_rows(spec, cu_seqlens_q, cu_seqlens_k, total_q,
+                                              total_k),
+            sinks, lambda: ~_masks.sequence_index(cu_seqlens_q, total_q)[1][None])
+        out, lse = out[0], lse[0]
     return (out, lse) if spec.return_lse else out
 
 
@@ -130,8 +144,8 @@ def supports(q, k, v, **kwargs) -> tuple[bool, str]:
 
     Takes arrays or jax.ShapeDtypeStruct (feature arrays too) and the keyword arguments
     of `attention` / `attention_varlen`. Returns (True, "") or (False, reason): the reason
-    names the first feature the kernels lack, or what else is missing. Malformed input
-    raises ValueError.
+    names what is missing (a dtype or head_dim without a kernel, the native module, a
+    Hopper GPU). Malformed input raises ValueError.
     """
     _check_implementation(kwargs.pop("implementation", None))
     kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
@@ -155,15 +169,13 @@ def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
     _check_implementation(implementation)
     spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                      return_lse=return_lse, **features)
-    return _choose_path(spec, implementation)
+    return _with_packing(_choose_path(spec, implementation), q.shape[1])
 
 
 def _choose_path(spec: AttentionSpec, implementation) -> AttentionSpec:
     if implementation == "reference":
         return spec.with_path("reference")
     if implementation == "cute":
-        if reason := spec.feature_reason():
-            raise NotImplementedError(reason)
         if spec.kernel_dtype is None:
             raise ValueError(
                 f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
@@ -178,11 +190,42 @@ def _choose_path(spec: AttentionSpec, implementation) -> AttentionSpec:
     return spec.with_path("platform")
 
 
-def _run(spec: AttentionSpec, q, k, v, **arrays):
+def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
+    """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
+    its kernels were built."""
+    if spec.path == "reference" or spec.group_size == 1:
+        return spec
+    packed = dataclasses.replace(spec, pack_gqa=True)
+    if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, spec.fwd_kernel["tile_m"])
+            and packed.fwd_kernel is not None
+            and (packed.bwd_kernel is not None or spec.bwd_kernel is None)):
+        return packed
+    return spec
+
+
+def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, q_lengths,
+         kv_lengths):
     if spec.path == "reference":
         # Handles empty problems itself: rows that see no key.
         q, k, v = _sharding.guard(spec, q, k, v)
-        return reference_attention(q, k, v, **spec.reference_options(), **arrays)
+        return reference_attention(q, k, v, **spec.reference_options(), sinks=sinks,
+                                   q_segment_ids=q_segment_ids,
+                                   kv_segment_ids=kv_segment_ids, q_lengths=q_lengths,
+                                   kv_lengths=kv_lengths)
+    batch, seqlen_q, seqlen_k = q.shape[0], q.shape[1], k.shape[1]
+    return _kernel_path(
+        spec, q, k, v,
+        lambda: _segment_plan.padded_rows(
+            spec, seqlen_q, seqlen_k, batch=batch, q_segment_ids=q_segment_ids,
+            kv_segment_ids=kv_segment_ids, q_lengths=q_lengths, kv_lengths=kv_lengths),
+        sinks, lambda: jnp.arange(seqlen_q) >= q_lengths[:, None])
+
+
+def _kernel_path(spec: AttentionSpec, q, k, v, segments, sinks, padding):
+    """The kernel (or per-platform) paths on batch-first q (B, Sq, H, D), k, v.
+    segments() gives the segment kernels' (rows, keys) when spec.segments; padding() the
+    (B, Sq) rows that are no query, which keep lse = -inf with sinks (q_lengths, rows
+    outside every varlen sequence)."""
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]
     if 0 in (batch, heads, seqlen_q, seqlen_k):
@@ -191,18 +234,11 @@ def _run(spec: AttentionSpec, q, k, v, **arrays):
         out = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
         lse = jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
     else:
-        segments = ()
-        if spec.segments:
-            segments = _segment_plan.padded_rows(
-                spec, seqlen_q, seqlen_k, batch=batch,
-                **{name: arrays[name] for name in ("q_segment_ids", "kv_segment_ids",
-                                                   "q_lengths", "kv_lengths")})
-        out, lse = _kernel_attention(spec, q, k, v, segments)
+        out, lse = _kernel_attention(spec, q, k, v, segments() if spec.segments else ())
     if spec.has_sinks:
-        out, lse = _add_sinks(out, lse, arrays["sinks"])
-        if spec.has_q_lengths:  # padding rows keep lse = -inf, sinks or not
-            padding = jnp.arange(seqlen_q) >= arrays["q_lengths"][:, None, None]
-            lse = jnp.where(padding, -jnp.inf, lse)
+        out, lse = _add_sinks(out, lse, sinks)
+        if spec.has_q_lengths or spec.varlen:
+            lse = jnp.where(padding()[:, None, :], -jnp.inf, lse)
     return out, lse
 
 

@@ -58,8 +58,8 @@ def varlen(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, causal: bo
     Rows outside every sequence (before cu[0], from cu[-1] on) are invalid. cu_seqlens
     must be non-decreasing (not checked: they are runtime values).
     """
-    q_seq, q_valid = _sequence_index(cu_seqlens_q, total_q)
-    k_seq, k_valid = _sequence_index(cu_seqlens_k, total_k)
+    q_seq, q_valid = sequence_index(cu_seqlens_q, total_q)
+    k_seq, k_valid = sequence_index(cu_seqlens_k, total_k)
     left, right = _band_sides(causal, window)
     band = None
     if (left is not None or right is not None) and cu_seqlens_q.shape[0] > 1:
@@ -90,7 +90,7 @@ def _band(aligned, k_idx, left, right):
     return _all(*parts)
 
 
-def _sequence_index(cu_seqlens, total: int):
+def sequence_index(cu_seqlens, total: int):
     """(sequence of each row, whether it lies inside one) for rows 0 .. total - 1."""
     rows = jnp.arange(total, dtype=jnp.int32)
     seq = jnp.searchsorted(cu_seqlens, rows, side="right").astype(jnp.int32) - 1

@@ -1,7 +1,7 @@
 """The segment kernels' runtime inputs (kernels/sm90/segments.py), computed with jnp.
 
-Segment ids, lengths, the band (causal / window, either alignment) and their
-combinations all become two arrays:
+Segment ids, lengths, the band (causal / window, either alignment), their combinations
+and attention_varlen's packed sequences all become two arrays:
     rows (B, 3, Sq) int32: per query row i, [key_begin, key_end) and its segment id;
         row i sees key j iff key_begin <= j < key_end and keys[j] equals its id;
     keys (B, Sk) int32: per key, its segment id.
@@ -14,6 +14,8 @@ of the tile sees whole, which need no element masking.
 from __future__ import annotations
 
 import jax.numpy as jnp
+
+from jax_fa4 import _masks
 
 # Beyond any sequence position a GPU holds; window sides are clamped to it.
 _FAR = 1 << 30
@@ -33,13 +35,40 @@ def padded_rows(spec, sq: int, sk: int, *, q_segment_ids=None, kv_segment_ids=No
     if kv_lengths is not None:
         lk = jnp.clip(kv_lengths, 0, sk)[:, None]
     aligned = i + (lk - lq if spec.alignment == "bottom_right" else 0)
-    left, right = spec.window_left, 0 if spec.causal else spec.window_right
-    begin = jnp.zeros_like(aligned) if left is None else aligned - min(left, _FAR)
-    end = lk if right is None else aligned + min(right, _FAR) + 1
-    begin, end = jnp.maximum(begin, 0), jnp.minimum(end, lk)
+    begin, end = _band_range(spec, aligned, 0, lk)
     ids = jnp.zeros((batch, sq), jnp.int32) if q_segment_ids is None else q_segment_ids
     keys = jnp.zeros((batch, sk), jnp.int32) if kv_segment_ids is None else kv_segment_ids
     return _rows(begin, end, ids, valid=i < lq), keys
+
+
+def varlen_rows(spec, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """rows (1, 3, total_q), keys (1, total_k) for `attention_varlen`: the packed axis is
+    one row whose segment ids are the sequence indices, and each query row's key range
+    is its sequence's keys cut by its band, in packed key indices (the visibility of
+    `_masks.varlen`). Keys outside every sequence get id -1, which no row has."""
+    q_seq, q_valid = _masks.sequence_index(cu_seqlens_q, total_q)
+    k_seq, k_valid = _masks.sequence_index(cu_seqlens_k, total_k)
+    # Any sequence for rows outside them all (they see nothing); none exists when
+    # cu_seqlens has one entry, and then clamped gathers give values no row uses.
+    s = jnp.clip(q_seq, 0, max(cu_seqlens_q.shape[0] - 2, 0))
+    q_start, q_stop = cu_seqlens_q[s], cu_seqlens_q[s + 1]
+    k_start, k_stop = cu_seqlens_k[s], cu_seqlens_k[s + 1]
+    i = jnp.arange(total_q, dtype=jnp.int32)
+    if spec.alignment == "bottom_right":  # the sequence's last query meets its last key
+        aligned = i - q_stop + k_stop
+    else:
+        aligned = i - q_start + k_start
+    begin, end = _band_range(spec, aligned, k_start, k_stop)
+    keys = jnp.where(k_valid, k_seq, -1)
+    return _rows(begin[None], end[None], q_seq[None], valid=q_valid[None]), keys[None]
+
+
+def _band_range(spec, aligned, start, stop):
+    """[begin, end): the keys in [start, stop) inside the band around `aligned`."""
+    left, right = spec.window_left, 0 if spec.causal else spec.window_right
+    begin = start if left is None else jnp.maximum(aligned - min(left, _FAR), start)
+    end = stop if right is None else jnp.minimum(aligned + min(right, _FAR) + 1, stop)
+    return jnp.broadcast_arrays(begin, end, aligned)[:2]
 
 
 def _rows(begin, end, ids, valid):

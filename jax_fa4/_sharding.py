@@ -204,10 +204,11 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
     if seq is not None and not ring and "rows" in signature.operands:
+        what, instead = (("attention_varlen: the packed axis is", "heads") if spec.varlen
+                         else ("attention: segment ids and lengths are", "batch or heads"))
         raise NotImplementedError(
-            "jax_fa4.attention: segment ids and lengths are not partitioned over a sequence "
-            f"sharded along {seq!r}: each query row's keys may lie on any device. Shard "
-            "batch or heads.")
+            f"jax_fa4.{what} not partitioned over a sequence sharded along {seq!r}: each "
+            f"query row's keys may lie on any device. Shard {instead}.")
     if seq is not None and not ring:
         reason = (spec.kernel_support()[1]
                   or "implementation='reference', or a GPU the kernels do not run on")

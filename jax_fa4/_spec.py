@@ -47,8 +47,7 @@ class AttentionSpec:
     # Backward kernel: dq accumulated in a fixed order (bitwise reproducible) instead of
     # with atomic adds. The forward and the reference are deterministic either way.
     deterministic: bool = False
-    # Features the reference runs and the kernels do not yet (`feature_reason`); the
-    # defaults are the plain call. Canonical: equal calls give equal specs.
+    # Features; the defaults are the plain call. Canonical: equal calls give equal specs.
     head_dim_v: int | None = None  # Dv of v and out; None at construction means D
     group_size: int = 1  # Hq // Hkv, query heads per KV head (GQA/MQA when > 1)
     alignment: str = "bottom_right"  # of causal / window; "bottom_right" when neither
@@ -62,6 +61,9 @@ class AttentionSpec:
     varlen: bool = False  # attention_varlen: sequences packed along one axis (cu_seqlens)
     max_seqlen_q: int | None = None  # varlen only: bound on every sequence's length
     max_seqlen_k: int | None = None
+    # The kernels run each group's query heads as rows of one problem (`_pack_gqa`):
+    # chosen by `_api` for grouped calls with few query rows.
+    pack_gqa: bool = False
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -88,18 +90,23 @@ class AttentionSpec:
         _check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
         if alignment == "top_left" and sq == sk and q_lengths is None and kv_lengths is None:
             alignment = "bottom_right"  # the same band when Sq == Sk: keeps the kernel path
-        return cls._build(
+        spec = cls._build(
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks,
             has_segment_ids=q_segment_ids is not None, has_q_lengths=q_lengths is not None,
             has_kv_lengths=kv_lengths is not None,
             deterministic=_static_bool("deterministic", deterministic))
+        if (sq == 1 and spec.causal and spec.alignment == "bottom_right"
+                and spec.window_left is None):
+            # A decode step: the one query sits at the last valid key and sees them all.
+            spec = dataclasses.replace(spec, causal=False)
+        return spec
 
     @classmethod
     def from_varlen_inputs(cls, q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                            max_seqlen_k, causal, softmax_scale, return_lse,
                            alignment="bottom_right", window=None, softcap=None,
-                           sinks=None) -> AttentionSpec:
+                           sinks=None, deterministic=False) -> AttentionSpec:
         """Validates q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
         cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32 and the static arguments."""
         dims = _check_operands(q, k, v, varlen=True)
@@ -116,7 +123,8 @@ class AttentionSpec:
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks, varlen=True,
             max_seqlen_q=_static_int("max_seqlen_q", max_seqlen_q),
-            max_seqlen_k=_static_int("max_seqlen_k", max_seqlen_k))
+            max_seqlen_k=_static_int("max_seqlen_k", max_seqlen_k),
+            deterministic=_static_bool("deterministic", deterministic))
 
     @classmethod
     def _build(cls, dims, *, causal, softmax_scale, return_lse, alignment, window, softcap,
@@ -144,10 +152,18 @@ class AttentionSpec:
 
     @property
     def segments(self) -> bool:
-        """Whether this runs the segment kernel variant (kernels/sm90/segments.py): segment
-        ids or lengths decide which keys a row sees, through per-row arrays and a plan
-        (`_segment_plan`)."""
-        return self.has_segment_ids or self.has_q_lengths or self.has_kv_lengths
+        """Whether the call carries the segment kernels' per-row arrays (rows, keys of
+        `_segment_plan`) from the caller's segment ids, lengths or varlen sequences."""
+        return self.has_segment_ids or self.has_q_lengths or self.has_kv_lengths or self.varlen
+
+    @property
+    def segment_kernel(self) -> bool:
+        """Whether this runs the segment kernel variant (kernels/sm90/segments.py), which
+        takes visibility from per-row arrays and a plan: with `segments`, and for a band
+        under pack-GQA, whose rows are no positions (`_pack_gqa` makes those arrays on
+        each shard)."""
+        packed_band = self.pack_gqa and (self.causal or self.window != (None, None))
+        return self.segments or packed_band
 
     @property
     def banded(self) -> bool:
@@ -155,7 +171,7 @@ class AttentionSpec:
         a band limits the keys a query sees (causal or a window), or softcap or segments,
         which are built into that variant only (an unbounded band stands for no mask)."""
         return (self.causal or self.window != (None, None) or self.softcap is not None
-                or self.segments)
+                or self.segment_kernel)
 
     @property
     def window(self) -> tuple[int | None, int | None]:
@@ -215,27 +231,10 @@ class AttentionSpec:
         if head_dim is None:
             return None
         return _registry.find_kernel(kind, self.kernel_dtype, head_dim, self.banded,
-                                     self.softcap is not None, self.segments)
-
-    def feature_reason(self) -> str:
-        """Why the kernels cannot take this spec's features; "" when they can."""
-        gaps = (
-            (self.varlen, "varlen (cu_seqlens)"),
-            (self.segments and self.softcap is not None,
-             "softcap together with segment ids or lengths"),
-            # Sinks are no gap: the kernel paths add them to the kernels' out and lse.
-        )
-        entry = "attention_varlen" if self.varlen else "attention"
-        for unsupported, feature in gaps:
-            if unsupported:
-                return (f"the kernels do not support {feature} yet; "
-                        f"{entry} uses the pure-JAX reference")
-        return ""
+                                     self.softcap is not None, self.segment_kernel)
 
     def kernel_support(self) -> tuple[bool, str]:
         """Whether a compiled kernel covers this spec (devices are `_api`'s concern)."""
-        if reason := self.feature_reason():
-            return False, reason
         if self.kernel_dtype is None:
             return False, (
                 f"dtype {self.dtype} has no kernel; the kernels take bfloat16 or float16"
@@ -254,7 +253,7 @@ class AttentionSpec:
                 f"no compiled kernel for dtype={self.kernel_dtype} {dims} "
                 f"mask={'causal/window' if masked else 'none'}"
                 f"{' softcap' if self.softcap is not None else ''}"
-                f"{' segments' if self.segments else ''}; head_dims built for "
+                f"{' segments' if self.segment_kernel else ''}; head_dims built for "
                 f"{self.kernel_dtype}: {built} (smaller ones run zero-padded)"
             )
         return True, ""

@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from jax_fa4 import _ffi_calls, _ring, _segment_plan, _sharding
+from jax_fa4 import _ffi_calls, _pack_gqa, _ring, _segment_plan, _sharding
 from jax_fa4._reference import (reference_attention, reference_attention_visible,
                                 reference_backward)
 from jax_fa4._spec import AttentionSpec
@@ -45,12 +45,14 @@ def _on_platform(spec: AttentionSpec, kernel, reference, *args):
 
 
 def _forward_on_shard(spec: AttentionSpec, q, k, v, *segments):
-    return _on_platform(spec, functools.partial(_ffi_calls.fwd, spec=spec),
+    kernel = _pack_gqa.fwd if spec.pack_gqa else _ffi_calls.fwd
+    return _on_platform(spec, functools.partial(kernel, spec=spec),
                         functools.partial(_reference, spec), q, k, v, *segments)
 
 
 def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse, *segments):
-    return _on_platform(spec, functools.partial(_ffi_calls.bwd, spec=spec),
+    kernel = _pack_gqa.bwd if spec.pack_gqa else _ffi_calls.bwd
+    return _on_platform(spec, functools.partial(kernel, spec=spec),
                         functools.partial(_reference_backward, spec),
                         q, k, v, out, dout, lse, dlse, *segments)
 

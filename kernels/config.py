@@ -84,8 +84,6 @@ class _KernelConfig:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
         if (self.softcap or self.segments) and not self.causal:
             raise ValueError("softcap and segment kernels are banded: they need causal=True")
-        if self.softcap and self.segments:
-            raise ValueError("no kernel variant combines softcap and segments")
 
     @property
     def name(self) -> str:
@@ -165,7 +163,7 @@ class BwdConfig(_KernelConfig):
 
 # (causal, softcap, segments) of the variants built per (dtype, head_dim).
 _VARIANTS = ((False, False, False), (True, False, False), (True, True, False),
-             (True, False, True))
+             (True, False, True), (True, True, True))
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
     FwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap, segments=seg)
     for d, h, (c, cap, seg) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)

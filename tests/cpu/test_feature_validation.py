@@ -136,36 +136,16 @@ def test_traced_static_arguments():
 
 # ------------------------------------------------- capability gaps: supports and "cute"
 
-GQA_KV = sds(2, 24, 2, 64)
-SEGMENTS_AND_SOFTCAP = "softcap together with segment ids or lengths"
-FEATURES = [
-    # GQA, windows and sinks are in the kernels; softcap and segments are not combined.
-    (Q, GQA_KV, GQA_KV, dict(window=(3, None), softcap=1.0, kv_lengths=ints(2)),
-     SEGMENTS_AND_SOFTCAP),
-    (Q, KV, KV, dict(softcap=1.0, sinks=sds(4, dtype=F32), q_segment_ids=ints(2, 16),
-                     kv_segment_ids=ints(2, 24)), SEGMENTS_AND_SOFTCAP),
-]
 # Segment ids and lengths run the segment kernels (kernels/sm90/segments.py).
 SEGMENT_CALLS = [
     dict(q_segment_ids=ints(2, 16), kv_segment_ids=ints(2, 24)),
     dict(kv_lengths=ints(2)),
     dict(q_lengths=ints(2), causal=True, alignment="top_left"),
     dict(window=(3, None), q_lengths=ints(2), kv_lengths=ints(2), sinks=sds(4, dtype=F32)),
+    dict(window=(3, None), softcap=1.0, kv_lengths=ints(2)),
+    dict(softcap=1.0, sinks=sds(4, dtype=F32), q_segment_ids=ints(2, 16),
+         kv_segment_ids=ints(2, 24)),
 ]
-
-
-@pytest.mark.parametrize("q,k,v,kwargs,feature", FEATURES)
-def test_features_are_refused_by_the_kernel_path(hopper, q, k, v, kwargs, feature):
-    reason = f"the kernels do not support {feature} yet; attention uses the pure-JAX reference"
-    assert jax_fa4.supports(q, k, v, **kwargs) == (False, reason)
-    with pytest.raises(NotImplementedError, match=f"^{re.escape(reason)}$"):
-        jax_fa4.attention(q, k, v, implementation="cute", **kwargs)
-    # The default path takes the reference, also when lowered for CUDA.
-    arrays = {n: x for n, x in kwargs.items() if isinstance(x, jax.ShapeDtypeStruct)}
-    static = {n: x for n, x in kwargs.items() if n not in arrays}
-    lowered = jax.jit(lambda q, k, v, arrays: jax_fa4.attention(q, k, v, **static, **arrays)
-                      ).trace(q, k, v, arrays).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jax_fa4_fwd" not in lowered
 
 
 @pytest.mark.parametrize("kwargs", SEGMENT_CALLS)
@@ -183,21 +163,21 @@ def test_segment_calls_take_the_segment_kernels(hopper, kwargs):
         assert "jax_fa4_fwd" in lowered and ("jax_fa4_bwd" in lowered) == grad
 
 
-def test_feature_refusal_comes_before_other_gaps(monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
-    f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
-    both = dict(kv_lengths=ints(2), softcap=2.0)
-    with pytest.raises(NotImplementedError, match=f"do not support {SEGMENTS_AND_SOFTCAP} yet"):
-        jax_fa4.attention(f32, f32, f32, implementation="cute", **both)
-    assert SEGMENTS_AND_SOFTCAP in jax_fa4.supports(f32, f32, f32, **both)[1]
+@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(softcap=2.0, window=(4, 4))])
+def test_varlen_takes_the_segment_kernels(hopper, kwargs):
+    assert jax_fa4.supports(VQ, VKV, VKV, **VARLEN, **kwargs) == (True, "")
+    for grad in (False, True):
+        def f(q, k, v, cu):
+            return jax_fa4.attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                            max_seqlen_q=16, max_seqlen_k=24,
+                                            **kwargs).astype(F32).sum()
 
-
-def test_varlen_is_refused_by_the_kernel_path(hopper):
-    reason = ("the kernels do not support varlen (cu_seqlens) yet; "
-              "attention_varlen uses the pure-JAX reference")
-    assert jax_fa4.supports(VQ, VKV, VKV, **VARLEN) == (False, reason)
-    with pytest.raises(NotImplementedError, match=re.escape(reason)):
-        jax_fa4.attention_varlen(VQ, VKV, VKV, implementation="cute", **VARLEN)
+        fn = jax.grad(f, (0, 1, 2)) if grad else f
+        lowered = jax.jit(fn).trace(VQ, VKV, VKV, CU).lower(
+            lowering_platforms=("cuda",)).as_text()
+        call = re.search(r"custom_call @jax_fa4_fwd\(.*", lowered).group(0)
+        assert f"softcap = {2.0 if 'softcap' in kwargs else 0.0:e}" in call or "softcap" in call
+        assert ("jax_fa4_bwd" in lowered) == grad
 
 
 def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):

@@ -198,7 +198,7 @@ def test_import_registers_once(monkeypatch):
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     kinds = [entry["kind"] for entry in expected_manifest]
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (32, 32)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (40, 40)
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):

@@ -2,7 +2,8 @@
 visibility (`_masks.padded`), for random segment ids (sorted and not), lengths, bands and
 both alignments, at the kernels' tile shapes:
 
-- rows and keys give exactly the reference's visibility;
+- rows and keys give exactly the reference's visibility, and for attention_varlen's
+  packed sequences (`_masks.varlen`) too;
 - every (tile, block) pair holding a visible pair is in both plans, with the same
   masked flag; an unmasked pair is seen whole (no Sq / Sk tail);
 - the forward lists key blocks in descending order, the backward query tiles in
@@ -18,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _masks, _segment_plan
+from jax_fa4 import _api, _masks, _segment_plan, _spec
 
 TILES = ((64, 128), (128, 128), (192, 128), (128, 80), (64, 64))
 
@@ -57,7 +58,44 @@ def test_plans_cover_exactly_the_visible_blocks(seed):
                         **arrays).mask
     visible = np.asarray(_segment_plan.visibility(rows, keys))
     np.testing.assert_array_equal(visible, np.broadcast_to(np.asarray(ref), (b, sq, sk)))
+    _check_plans(rows, keys, visible, tile_m, tile_n)
 
+
+def _draw_varlen(seed):
+    """cu_seqlens with empty sequences and rows outside every sequence, and a band."""
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 6))
+    lq, lk = rng.integers(0, 90, n), rng.integers(0, 90, n)
+    if seed % 2:  # self-attention lengths
+        lk = lq
+    cu_q = np.cumsum([int(rng.integers(0, 3)), *lq]).astype(np.int32)
+    cu_k = np.cumsum([int(rng.integers(0, 3)), *lk]).astype(np.int32)
+    total_q, total_k = int(cu_q[-1] + rng.integers(1, 20)), int(cu_k[-1] + rng.integers(1, 20))
+    causal = bool(rng.integers(2))
+    left = None if rng.integers(2) else int(rng.integers(0, 40))
+    right = None if causal or rng.integers(2) else int(rng.integers(0, 40))
+    spec = types.SimpleNamespace(alignment=("bottom_right", "top_left")[rng.integers(2)],
+                                 causal=causal, window_left=left, window_right=right)
+    return spec, jnp.asarray(cu_q), jnp.asarray(cu_k), total_q, total_k
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_varlen_rows_give_the_reference_visibility(seed):
+    spec, cu_q, cu_k, total_q, total_k = _draw_varlen(seed)
+    rows, keys = _segment_plan.varlen_rows(spec, cu_q, cu_k, total_q, total_k)
+    assert rows.shape == (1, 3, total_q) and keys.shape == (1, total_k)
+    window = None if (spec.window_left, spec.window_right) == (None, None) else (
+        spec.window_left, spec.window_right)
+    ref = _masks.varlen(cu_q, cu_k, total_q, total_k, causal=spec.causal,
+                        alignment=spec.alignment, window=window).mask
+    visible = np.asarray(_segment_plan.visibility(rows, keys))
+    np.testing.assert_array_equal(visible[0], np.asarray(ref))
+    tile_m, tile_n = TILES[seed % len(TILES)]
+    _check_plans(rows, keys, visible, tile_m, tile_n)
+
+
+def _check_plans(rows, keys, visible, tile_m, tile_n):
+    b, sq, sk = visible.shape
     fwd = np.asarray(_segment_plan.forward_plan(rows, keys, tile_m, tile_n))
     bwd = np.asarray(_segment_plan.backward_plan(rows, keys, tile_m, tile_n))
     tiles, blocks = -(-sq // tile_m), -(-sk // tile_n)
@@ -94,6 +132,7 @@ def test_plans_cover_exactly_the_visible_blocks(seed):
     dict(causal=True, window=(5, None)),
     dict(alignment="top_left", causal=True),
     dict(sinks=True),
+    dict(softcap=2.0, causal=True),
 ])
 def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
     """On CPU the segment kernel path runs the reference from rows and keys: its out,
@@ -117,14 +156,51 @@ def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
                       **{n: x for n, x in kwargs.items() if n != "causal"}, **arrays)
     assert spec.path == "platform" and spec.segments
 
+    _assert_paths_agree(lambda implementation, q, k, v: jax_fa4.attention(
+        q, k, v, return_lse=True, **kwargs, **arrays, implementation=implementation),
+        q, k, v)
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, sinks=True),
+    dict(window=(3, 7), alignment="top_left", softcap=2.0),
+])
+def test_varlen_kernel_path_equals_the_reference_path(built, kwargs):
+    """attention_varlen's kernel path (on CPU: the reference from varlen rows and keys)
+    against its reference path, with empty sequences and rows outside every sequence."""
+    cu_q = jnp.array([2, 20, 20, 51, 60], jnp.int32)
+    cu_k = jnp.array([0, 30, 33, 33, 70], jnp.int32)
+    keys = jax.random.split(jax.random.key(1), 4)
+    q = jax.random.normal(keys[0], (64, 4, 64), jnp.bfloat16)
+    k, v = (jax.random.normal(x, (72, 2, 64), jnp.bfloat16) for x in keys[1:3])
+    kwargs = dict(kwargs)
+    if kwargs.pop("sinks", False):
+        kwargs["sinks"] = jax.random.normal(keys[3], (4,), jnp.float32)
+    call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=31, max_seqlen_k=37,
+                return_lse=True, **kwargs)
+    spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
+        q, k, v, softmax_scale=None, **{"causal": False, **call}), None)
+    assert spec.path == "platform" and spec.segments
+
+    out, lse = _assert_paths_agree(
+        lambda implementation, q, k, v: jax_fa4.attention_varlen(
+            q, k, v, **call, implementation=implementation), q, k, v)
+    assert out.shape == (64, 4, 64) and lse.shape == (4, 64)
+    assert np.isinf(lse[:, :2]).all() and np.isinf(lse[:, 60:]).all()
+
+
+def _assert_paths_agree(attend, q, k, v):
+    """attend(implementation, q, k, v) -> (out, lse): the default path (the kernel path,
+    on CPU the reference from rows and keys) against implementation="reference": out,
+    lse (-inf where the reference's is) and the gradients. Returns the default's out,
+    lse."""
     def run(implementation):
         def loss(q, k, v):
-            out, lse = jax_fa4.attention(q, k, v, return_lse=True, **kwargs, **arrays,
-                                         implementation=implementation)
+            out, lse = attend(implementation, q, k, v)
             finite_lse = jnp.where(jnp.isfinite(lse), lse, 0)
             return jnp.sum(out.astype(jnp.float32)) + jnp.sum(finite_lse), (out, lse)
 
-        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
 
     (_, (out, lse)), grads = run(None)
     (_, (ref_out, ref_lse)), ref_grads = run("reference")
@@ -136,3 +212,4 @@ def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    atol=3e-2)
+    return out, lse

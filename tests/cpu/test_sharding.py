@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import _api, _vjp
+from jax_fa4 import _api, _spec, _vjp
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
 
@@ -436,3 +436,37 @@ def test_segment_kernels_refuse_a_sharded_sequence(built, mesh):
                                                 for n in ids},))
     with pytest.raises(Exception, match="segment ids and lengths are not partitioned"):
         fwd.lower(q, k, v, ids).compile()
+
+
+def test_varlen_kernels_partition_over_heads(built, mesh):
+    q, k, v, dout = inputs(b=1, sk=40)
+    q, k, v, dout = q[0], k[0], v[0], dout[0]
+    cu_q, cu_k = jnp.array([0, 10, 24], jnp.int32), jnp.array([0, 25, 40], jnp.int32)
+    call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=25,
+                causal=True)
+    spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
+        q, k, v, softmax_scale=None, return_lse=False, **call), None)
+    assert spec.path == "platform" and spec.segments, spec
+
+    def loss(implementation, q, k, v, dout):
+        out = jax_fa4.attention_varlen(q, k, v, implementation=implementation, **call)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    shard = NamedSharding(mesh, P(None, "model", None))
+    step = jax.jit(jax.value_and_grad(functools.partial(loss, None), argnums=(0, 1, 2)),
+                   in_shardings=(shard,) * 4)
+    assert step.lower(q, k, v, dout).as_text().count("@CustomSPMDPartitioning") == 2
+    text = compiled_text(step, q, k, v, dout)
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    assert scalar_all_reduces(text)
+    value, grads = step(q, k, v, dout)
+    ref_value, ref_grads = jax.value_and_grad(functools.partial(loss, "reference"),
+                                              argnums=(0, 1, 2))(q, k, v, dout)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+    packed = NamedSharding(mesh, P("model", None, None))
+    fwd = jax.jit(functools.partial(loss, None), in_shardings=(packed,) * 4)
+    with pytest.raises(Exception, match="attention_varlen: the packed axis is not partitioned"):
+        fwd.lower(q, k, v, dout).compile()

@@ -1,7 +1,8 @@
 """GQA / MQA through the kernels with the rule of KERNELS.md: query heads share key/value
 heads in the forward, and the backward's per-query-head dk, dv partials are summed per
 group. Forward and both backward modes per case, against the float32 reference; with
-head dims that run zero-padded to a built one (80 -> 96, D 192 and Dv 128 -> 256)."""
+head dims that run zero-padded to a built one (80 -> 96, D 192 and Dv 128 -> 256), and
+short query sequences that run pack-GQA (jax_fa4/_pack_gqa.py)."""
 
 import functools
 import itertools
@@ -18,7 +19,10 @@ DTYPES = ("bfloat16", "float16")
 # (D, Dv): the built head dims, and 80 and 192 / 128, which run zero-padded (to 96, 256).
 HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256))
 CAUSAL = (False, True)
-SEQLENS = ((17, 113), (113, 203), (1000, 1000))
+# Sq 1, 17 and (at 4 query heads per key/value head) 64 run pack-GQA: the group's query
+# heads as rows of one problem; a band there takes the segment variant (Sq 1 causal is
+# no band: its one query sees every key).
+SEQLENS = ((1, 300), (17, 113), (64, 1000), (113, 203), (1000, 1000))
 GROUPS = ((6, 2), (4, 1))  # (query heads, key/value heads): GQA, MQA
 BATCH = 2
 

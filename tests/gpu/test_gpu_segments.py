@@ -3,7 +3,7 @@ KERNELS.md: out, lse, and dq, dk, dv in both backward modes, against the float32
 reference with the same visibility. Packed documents have boundaries inside tiles, so
 key blocks are skipped, visited whole and masked; unsorted ids make every visited block
 a masked one; lengths leave padding rows (out = 0, lse = -inf) and a batch row of
-length 0; GQA heads share the plan."""
+length 0; GQA heads share the plan; softcap runs the softcap segment variant."""
 
 import functools
 import itertools
@@ -28,6 +28,8 @@ CASES_KW = (
     ("unsorted", {}, "unsorted"),
     ("lengths-causal", {"causal": True}, "lengths"),
     ("lengths-top-left", {"causal": True, "alignment": "top_left"}, "lengths"),
+    ("packed-causal-cap2", {"causal": True, "softcap": 2.0}, "packed"),
+    ("lengths-cap2", {"softcap": 2.0}, "lengths"),
 )
 
 
@@ -76,7 +78,8 @@ def test_segments_match_reference(fa, dtype, head_dim, static, kind, sq, sk):
     arrays = {name: jnp.asarray(x) for name, x in _arrays(kind, seed, sq, sk).items()}
     assert jax_fa4.supports(q, k, v, **static, **arrays) == (True, "")
     mask = {"causal": static.get("causal", False), "window": static.get("window"),
-            "alignment": static.get("alignment", "bottom_right"), "segments": arrays}
+            "alignment": static.get("alignment", "bottom_right"),
+            "softcap": static.get("softcap"), "segments": arrays}
     frozen = tuple(sorted(static.items()))
     for deterministic in (False, True):
         out, lse, grads = _cute_vjp(q, k, v, dout, dlse, arrays, static=frozen,
