@@ -4,8 +4,10 @@ Each entry maps a name (as in ../shared/anchors) to a factory: (causal, window_l
 softcap=None, documents=None) -> f(q, k, v) returning the attention output for
 (B, S, H, D) inputs; window_left makes causal attention a sliding window over the last
 window_left + 1 keys, softcap caps the scores, documents packs each row with that many
-equal documents given as segment ids (a backend without a feature raises
-NotImplementedError). Backends in
+equal documents (a backend without a feature raises NotImplementedError): jax_fa4 gives
+them as segment ids, jax_fa4_varlen as attention_varlen's cu_seqlens over the flattened
+batch, and jax.nn, which has neither, runs them as a batch of B * documents rows (the
+dense problem without masking, possible only because the documents are equal). Backends in
 DETERMINISTIC also take deterministic=True: a backward that is bitwise reproducible (the
 bwd_det pass).
 """
@@ -32,23 +34,53 @@ def _jax_fa4(causal, window_left=None, softcap=None, documents=None, determinist
     return attend
 
 
+def _jax_fa4_varlen(causal, window_left=None, softcap=None, documents=None,
+                    deterministic=False):
+    if not documents:
+        raise NotImplementedError("jax_fa4_varlen runs packed documents only")
+    window = None if window_left is None else (window_left, None)
+
+    def attend(q, k, v):
+        b, s = q.shape[:2]
+        cu = jnp.arange(b * documents + 1, dtype=jnp.int32) * (s // documents)
+        out = jax_fa4.attention_varlen(
+            *(x.reshape(b * s, *x.shape[2:]) for x in (q, k, v)), cu_seqlens_q=cu,
+            cu_seqlens_k=cu, max_seqlen_q=s // documents, max_seqlen_k=s // documents,
+            causal=causal, window=window, softcap=softcap, implementation="cute",
+            deterministic=deterministic)
+        return out.reshape(q.shape[:3] + v.shape[3:])
+
+    return attend
+
+
+def _as_documents(documents, x):
+    """(B, S, ...) -> (B * documents, S / documents, ...)."""
+    b, s = x.shape[:2]
+    return x.reshape(b * documents, s // documents, *x.shape[2:])
+
+
 def _jax_nn(implementation):
     def factory(causal, window_left=None, softcap=None, documents=None):
         if softcap is not None:
             raise NotImplementedError("jax.nn.dot_product_attention has no softcap")
-        if documents:
-            raise NotImplementedError("jax.nn.dot_product_attention has no segment ids")
         window = None if window_left is None else (window_left, 0)
-        return lambda q, k, v: jax.nn.dot_product_attention(
-            q, k, v, is_causal=causal, local_window_size=window, implementation=implementation
-        )
+        split = documents or 1
+
+        def attend(q, k, v):
+            out = jax.nn.dot_product_attention(
+                *(_as_documents(split, x) for x in (q, k, v)), is_causal=causal,
+                local_window_size=window, implementation=implementation)
+            return out.reshape(q.shape[:3] + v.shape[3:])
+
+        return attend
 
     return factory
 
 
 BACKENDS = {
     "jax_fa4": _jax_fa4,
+    "jax_fa4_varlen": _jax_fa4_varlen,
     "jax_cudnn": _jax_nn("cudnn"),
     "jax_xla": _jax_nn("xla"),
 }
-DETERMINISTIC = ("jax_fa4",)
+DETERMINISTIC = ("jax_fa4", "jax_fa4_varlen")

@@ -6,7 +6,9 @@
     python -m bench.run --hdims 128 --heads 32 --heads-kv 8   # GQA 32 / 8
     python -m bench.run --seqlens 16384 --causal true --window 1024   # sliding window
     python -m bench.run --hdims 128 --softcap 30 --backends jax_fa4   # softcap (jax_fa4 only)
-    python -m bench.run --seqlens 16384 --documents 8 --backends jax_fa4   # packed documents
+    python -m bench.run --seqlens 16384 --documents 8     # packed documents (+ jax_fa4_varlen)
+    python -m bench.run --seqlens 8192 --seqlen-q 1 --batch 64 --heads 32 --heads-kv 8 \
+        --causal false                                     # decode step (pack-GQA)
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -48,14 +50,14 @@ def load_anchors():
 
 
 def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
-            h_kv=None, window_left=None, softcap=None, documents=None):
+            h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None):
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
     causal sliding window over window_left + 1 keys; scores capped at softcap; rows
     packed with `documents` equal documents, as segment ids). The
     backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
     convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
-    q, dout = (jax.random.normal(key, (b, s, h, d), dtype) for key in keys[:2])
+    q, dout = (jax.random.normal(key, (b, seqlen_q or s, h, d), dtype) for key in keys[:2])
     k, v = (jax.random.normal(key, (b, s, h_kv or h, d), dtype) for key in keys[2:])
     options = {"deterministic": True} if mode == "bwd_det" else {}
     if window_left is not None:
@@ -72,7 +74,7 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
             return jax.vjp(attn, q, k, v)[1](dout)
 
         ms = timer(vjp, q, k, v, dout, iterations=iterations) - fwd_ms
-    flops = attention_flops(b, h, s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
+    flops = attention_flops(b, h, seqlen_q or s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
                             window_left=window_left, documents=documents or 1)
     return {"ms": ms, "tflops": flops / ms / 1e9}
 
@@ -92,7 +94,12 @@ def main():
                     help="logit soft-capping at this value (backends without it: '-')")
     ap.add_argument("--documents", type=int,
                     help="pack each row with this many equal documents (segment ids)")
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--seqlen-q", type=int,
+                    help="query rows per sequence (decode-like: 1); default the key length "
+                         "(needs --causal false: jax.nn aligns causal top-left)")
+    ap.add_argument("--batch", type=int, help="batch size; default 16384 / seqlen")
+    ap.add_argument("--backends",
+                    help="comma-separated; default all (jax_fa4_varlen with --documents only)")
     ap.add_argument("--passes", default="fwd",
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
@@ -100,7 +107,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.jsonl"))
     args = ap.parse_args()
 
-    backends = args.backends.split(",")
+    backends = (args.backends.split(",") if args.backends else
+                [be for be in BACKENDS if args.documents or be != "jax_fa4_varlen"])
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")
@@ -119,10 +127,13 @@ def main():
         ap.error("--softcap takes a value > 0")
     if args.documents is not None and args.documents < 1:
         ap.error("--documents takes a count >= 1")
+    if args.seqlen_q is not None and (masks != ["false"] or args.seqlen_q < 1
+                                      or args.documents):
+        ap.error("--seqlen-q takes a length >= 1, with --causal false and no --documents")
     dtype = getattr(jnp, args.dtype)
     # The anchors are for the standard shapes only (all heads, 2048 / head_dim of them).
     standard = not (args.heads or args.heads_kv or args.window is not None or args.softcap
-                    or args.documents)
+                    or args.documents or args.seqlen_q or args.batch)
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
@@ -130,7 +141,9 @@ def main():
                      f", {args.heads_kv} K/V heads" if args.heads_kv else "",
                      f", sliding window {args.window}" if args.window is not None else "",
                      f", softcap {args.softcap:g}" if args.softcap else "",
-                     f", {args.documents} documents per row" if args.documents else ""])
+                     f", {args.documents} documents per row" if args.documents else "",
+                     f", {args.seqlen_q} query rows" if args.seqlen_q else "",
+                     f", batch {args.batch}" if args.batch else ""])
     print(f"# {device}, jax {jax.__version__}, {args.dtype}, timing: {method}{shape}")
     header = ["pass", "d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
     header += ["fa4/best peer", f"{ANCHOR_BACKEND} (anchor)"]
@@ -141,7 +154,7 @@ def main():
         for d in (int(x) for x in args.hdims.split(",")):
             for causal in (c == "true" for c in masks):
                 for s in (int(x) for x in args.seqlens.split(",")):
-                    b, h = max(1, TOKENS // s), args.heads or HIDDEN // d
+                    b, h = args.batch or max(1, TOKENS // s), args.heads or HIDDEN // d
                     h_kv = args.heads_kv or h
                     if h % h_kv:
                         ap.error(f"--heads-kv {h_kv} must divide the {h} query heads")
@@ -158,13 +171,15 @@ def main():
                                           if args.window is not None else {}),
                                        **({"softcap": args.softcap} if args.softcap else {}),
                                        **({"documents": args.documents}
-                                          if args.documents else {}))
+                                          if args.documents else {}),
+                                       **({"sq": args.seqlen_q} if args.seqlen_q else {}))
                             try:
                                 if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
                                                    args.iterations, mode, fwd.get(be), h_kv,
-                                                   args.window, args.softcap, args.documents))
+                                                   args.window, args.softcap, args.documents,
+                                                   args.seqlen_q))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]
@@ -179,7 +194,7 @@ def main():
 def print_row(row, peer_row, backends, anchors, mode, d, causal, s):
     cells = [f"{row[be]['ms']:.3f} / {row[be]['tflops']:.0f}" if be in row else "-"
              for be in backends]
-    peers = [peer_row[be]["tflops"] for be in peer_row if be != "jax_fa4"]
+    peers = [peer_row[be]["tflops"] for be in peer_row if not be.startswith("jax_fa4")]
     ratio = f"{row['jax_fa4']['tflops'] / max(peers):.2f}" if "jax_fa4" in row and peers else "-"
     anchor = anchors.get((d, s, causal, mode))
     cells += [ratio, f"{anchor:.0f}" if anchor else "-"]
