@@ -17,6 +17,8 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from jax_fa4 import _segment_plan
+
 
 def chunk_pair(band, length, chunks, q_chunk, kv_chunk, run, nothing, *args):
     """One query chunk against one key/value chunk, of `length` positions each, out of
@@ -126,6 +128,42 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     return (layout.whole([g.astype(q.dtype) for g in dq], 1),
             layout.whole([g.astype(k[0].dtype) for g in dk], 1),
             layout.whole([g.astype(v[0].dtype) for g in dv], 1))
+
+
+def segment_ring_forward(attend, spec, axis_name, q, k, v, rows, keys):
+    """`ring_forward` for the segment kernels: rows (B, 3, Sq) hold this device's query
+    rows' key ranges in global key indices and keys (B, Sk) this device's key ids, which
+    travel with K/V. Each step runs attend(spec, q, k, v, rows, keys) on the rows cut to
+    the chunk at hand; the band is in the rows, so any band and lengths work, and blocks
+    a row cannot see are skipped by the plan. The chunks stay contiguous (no zigzag)."""
+    n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    length = k.shape[1]
+    acc = None
+    for step in range(n):
+        if step:
+            k, v, keys = hop((k, v, keys), axis_name, n)
+        local = _segment_plan.chunk_rows(rows, (me - step) % n * length, length)
+        out, lse = attend(spec, q, k, v, local, keys)
+        part = out.astype(jnp.float32), lse
+        acc = part if acc is None else merge(acc, part)
+    return acc[0].astype(q.dtype), acc[1]
+
+
+def segment_ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse,
+                          rows, keys):
+    """`ring_backward` for the segment kernels (see `segment_ring_forward`)."""
+    n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
+    length = k.shape[1]
+    dq = jnp.zeros(q.shape, jnp.float32)
+    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    for step in range(n):
+        if step:
+            k, v, keys, dk, dv = hop((k, v, keys, dk, dv), axis_name, n)
+        local = _segment_plan.chunk_rows(rows, (me - step) % n * length, length)
+        grads = differentiate(spec, q, k, v, out, dout, lse, dlse, local, keys)
+        dq, dk, dv = (acc + g.astype(jnp.float32) for acc, g in zip((dq, dk, dv), grads))
+    dk, dv = hop((dk, dv), axis_name, n)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @dataclasses.dataclass(frozen=True)

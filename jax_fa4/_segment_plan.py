@@ -63,6 +63,14 @@ def varlen_rows(spec, cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
     return _rows(begin[None], end[None], q_seq[None], valid=q_valid[None]), keys[None]
 
 
+def chunk_rows(rows, offset, length):
+    """rows for the keys [offset, offset + length) only, in that chunk's own key indices
+    (a ring's travelling K/V chunk)."""
+    begin = jnp.clip(rows[:, 0] - offset, 0, length)
+    end = jnp.clip(rows[:, 1] - offset, 0, length)
+    return _rows(begin, end, rows[:, 2], valid=begin < end)
+
+
 def _band_range(spec, aligned, start, stop):
     """[begin, end): the keys in [start, stop) inside the band around `aligned`."""
     left, right = spec.window_left, 0 if spec.causal else spec.window_right

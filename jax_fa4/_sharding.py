@@ -6,7 +6,8 @@ communication. The forward (q, k, v -> out, lse) and the backward (q, k, v, out,
 lse, dlse -> dq, dk, dv) are each wrapped in `custom_partitioning` with a Shardy rule
 that passes batch and heads through. A sharded sequence runs ring attention on each
 device (`_ring`: K/V chunks travel with `ppermute`, partial results merge through their
-LSE). A sharded head_dim, or a sequence sharded unlike q's, would need XLA to gather
+LSE; with segment ids, lengths or varlen, the key ids travel too and each row's global
+key range is cut to the chunk at hand). A sharded head_dim, or a sequence sharded unlike q's, would need XLA to gather
 whole arrays; rather than let it do that silently, partitioning fails with an error that
 names the sharded axis and what to use instead.
 
@@ -185,8 +186,9 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
     refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
     sequence without a ring, windows and causal rings over query and key sequences of
-    different lengths over a sharded sequence, and a head sharding that does not split
-    the key/value heads (the second operand) into whole groups."""
+    different lengths over a sharded sequence (but for the segment ring), and a head
+    sharding that does not split the key/value heads (the second operand) into whole
+    groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
@@ -203,12 +205,6 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
-    if seq is not None and not ring and "rows" in signature.operands:
-        what, instead = (("attention_varlen: the packed axis is", "heads") if spec.varlen
-                         else ("attention: segment ids and lengths are", "batch or heads"))
-        raise NotImplementedError(
-            f"jax_fa4.{what} not partitioned over a sequence sharded along {seq!r}: each "
-            f"query row's keys may lie on any device. Shard {instead}.")
     if seq is not None and not ring:
         reason = (spec.kernel_support()[1]
                   or "implementation='reference', or a GPU the kernels do not run on")
@@ -217,12 +213,14 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
             f"is not partitioned over a sequence sharded along {seq!r}: XLA would gather "
             "K/V on every device. Shard batch or heads, or call jax_fa4.ring_attention "
             "inside jax.shard_map.")
-    if seq is not None and spec.window != (None, None):
+    # The segment ring takes any band and lengths: they are in the rows, in global indices.
+    band_ring = seq is not None and "rows" not in signature.operands
+    if band_ring and spec.window != (None, None):
         raise NotImplementedError(
             f"jax_fa4.attention: a window over a sequence sharded along {seq!r} is not "
             "partitioned automatically; call jax_fa4.ring_attention(..., window=...) inside "
             "jax.shard_map, which skips the chunk pairs outside the window.")
-    if seq is not None and spec.causal and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
+    if band_ring and spec.causal and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
         raise NotImplementedError(
             "jax_fa4.attention: causal attention over a sharded sequence needs queries and "
             f"keys of one length (got {arg_shapes[0].shape[1]} and {arg_shapes[1].shape[1]}).")

@@ -60,11 +60,11 @@ def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse, *segm
 _sharded_forward = _sharding.sharded(_forward_on_shard, _sharding.FORWARD, _ring.ring_forward)
 _sharded_backward = _sharding.sharded(_backward_on_shard, _sharding.BACKWARD,
                                       _ring.ring_backward)
-# Segment calls: no ring (a sharded sequence is refused).
 _sharded_forward_segments = _sharding.sharded(_forward_on_shard, _sharding.FORWARD_SEGMENTS,
-                                              None)
+                                              _ring.segment_ring_forward)
 _sharded_backward_segments = _sharding.sharded(_backward_on_shard,
-                                               _sharding.BACKWARD_SEGMENTS, None)
+                                               _sharding.BACKWARD_SEGMENTS,
+                                               _ring.segment_ring_backward)
 
 
 def _forward(spec: AttentionSpec, q, k, v, segments):

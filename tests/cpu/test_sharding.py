@@ -427,18 +427,53 @@ def test_segment_kernels_partition_over_batch_and_heads(built, mesh):
                                    rtol=2e-2, atol=3e-2)
 
 
-def test_segment_kernels_refuse_a_sharded_sequence(built, mesh):
-    q, k, v, _ = inputs(sk=24)
-    ids = dict(q_segment_ids=_segment_ids(8, 24), kv_segment_ids=_segment_ids(8, 24))
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, segments=True),
+    dict(window=(5, 3), alignment="top_left", q_lengths=True, kv_lengths=True),
+    dict(softcap=2.0, segments=True, kv_lengths=True),
+], ids=["causal-ids", "window-lengths", "softcap-ids-lengths"])
+def test_segment_kernels_ring_over_a_sharded_sequence(built, mesh, kwargs):
+    # Segment ids and lengths over a sequence sharded 4 ways: the segment ring carries
+    # the key ids with K/V and cuts each row's global key range to the chunk at hand,
+    # so any band (a window, top-left, Sq != Sk) and lengths work; only
+    # collective-permutes move data.
+    q, k, v, dout = inputs(sq=24, sk=40)
+    kwargs = dict(kwargs)
+    arrays = {}
+    if kwargs.pop("segments", False):
+        arrays.update(q_segment_ids=_segment_ids(8, 24), kv_segment_ids=_segment_ids(8, 40))
+    if kwargs.pop("q_lengths", False):
+        arrays["q_lengths"] = jnp.arange(8, dtype=jnp.int32) * 3
+    if kwargs.pop("kv_lengths", False):
+        arrays["kv_lengths"] = 40 - jnp.arange(8, dtype=jnp.int32) * 4
+    spec = _api._plan(q, k, v, softmax_scale=None, return_lse=False, implementation=None,
+                      **{"causal": False, **kwargs}, **arrays)
+    assert spec.path == "platform" and spec.segments, spec
     shard = NamedSharding(mesh, P("data", "model", None, None))
-    fwd = jax.jit(lambda q, k, v, ids: jax_fa4.attention(q, k, v, **ids),
-                  in_shardings=(shard,) * 3 + ({n: NamedSharding(mesh, P("data", "model"))
-                                                for n in ids},))
-    with pytest.raises(Exception, match="segment ids and lengths are not partitioned"):
-        fwd.lower(q, k, v, ids).compile()
+    array_shard = {n: NamedSharding(mesh, P("data", "model") if x.ndim == 2 else P("data"))
+                   for n, x in arrays.items()}
+
+    def loss(implementation, q, k, v, dout, arrays):
+        out, lse = jax_fa4.attention(q, k, v, return_lse=True, implementation=implementation,
+                                     **kwargs, **arrays)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(finite_lse)
+
+    step = jax.jit(jax.value_and_grad(functools.partial(loss, None), argnums=(0, 1, 2)),
+                   in_shardings=(shard,) * 4 + (array_shard,))
+    found = set(COLLECTIVES.findall(compiled_text(step, q, k, v, dout, arrays)))
+    assert found <= {"collective-permute", "all-reduce"}, found
+    assert scalar_all_reduces(compiled_text(step, q, k, v, dout, arrays))
+    value, grads = step(q, k, v, dout, arrays)
+    ref_value, ref_grads = jax.value_and_grad(functools.partial(loss, "reference"),
+                                              argnums=(0, 1, 2))(q, k, v, dout, arrays)
+    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)
 
 
-def test_varlen_kernels_partition_over_heads(built, mesh):
+def test_varlen_kernels_partition_over_heads_and_the_packed_axis(built, mesh):
     q, k, v, dout = inputs(b=1, sk=40)
     q, k, v, dout = q[0], k[0], v[0], dout[0]
     cu_q, cu_k = jnp.array([0, 10, 24], jnp.int32), jnp.array([0, 25, 40], jnp.int32)
@@ -466,7 +501,15 @@ def test_varlen_kernels_partition_over_heads(built, mesh):
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=3e-2)
+    # The packed axis sharded: the segment ring, sequences cut across devices.
     packed = NamedSharding(mesh, P("model", None, None))
-    fwd = jax.jit(functools.partial(loss, None), in_shardings=(packed,) * 4)
-    with pytest.raises(Exception, match="attention_varlen: the packed axis is not partitioned"):
-        fwd.lower(q, k, v, dout).compile()
+    step = jax.jit(jax.value_and_grad(functools.partial(loss, None), argnums=(0, 1, 2)),
+                   in_shardings=(packed,) * 4)
+    found = set(COLLECTIVES.findall(compiled_text(step, q, k, v, dout)))
+    assert found <= {"collective-permute", "all-reduce"}, found
+    value, grads = step(q, k, v, dout)
+    # Each chunk pair's out is rounded to bf16 before the merge: one more rounding.
+    np.testing.assert_allclose(value, ref_value, rtol=1e-2)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)

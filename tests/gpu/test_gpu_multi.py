@@ -102,6 +102,42 @@ def test_sequence_sharded_jit_runs_the_ring(fa, gpus, causal):
     fa.assert_gradients("ring", grads, q, k, v, dout, dlse, causal=causal)
 
 
+@pytest.mark.parametrize("static", [{"causal": True}, {"window": (300, 100)}],
+                         ids=["causal", "window"])
+def test_sequence_sharded_jit_runs_the_segment_ring(fa, gpus, static):
+    # Packed documents whose boundaries fall inside and across the devices' chunks, and
+    # a padded tail: the segment kernels on each chunk pair, the key ids travelling
+    # with K/V.
+    n = len(gpus)
+    mesh = Mesh(np.array(gpus), ("s",))
+    s = 512 * n
+    q, k, v, dout, dlse = _inputs(fa, 2, s, 8, 2, 128)
+    ids = jnp.broadcast_to((jnp.arange(s, dtype=jnp.int32) * 5 // s)[None], (2, s))
+    arrays = {"q_segment_ids": ids, "kv_segment_ids": ids,
+              "kv_lengths": jnp.array([s, s - 200], jnp.int32)}
+    attn = functools.partial(jax_fa4.attention, return_lse=True, implementation="cute",
+                             **static)
+
+    def run(q, k, v, dout, dlse, arrays):
+        (out, lse), pullback = jax.vjp(lambda q, k, v: attn(q, k, v, **arrays), q, k, v)
+        return (out, lse, *pullback((dout, dlse)))
+
+    seq = NamedSharding(mesh, P(None, "s", None, None))
+    rows = NamedSharding(mesh, P(None, None, "s"))
+    array_shardings = {"q_segment_ids": NamedSharding(mesh, P(None, "s")),
+                       "kv_segment_ids": NamedSharding(mesh, P(None, "s")),
+                       "kv_lengths": NamedSharding(mesh, P())}
+    shardings = (seq, seq, seq, seq, rows, array_shardings)
+    fn = jax.jit(run, in_shardings=shardings, out_shardings=(seq, rows, seq, seq, seq))
+    placed = jax.device_put((q, k, v, dout, dlse, arrays), shardings)
+    assert _crossing(fn.lower(*placed).compile().as_text()) == {"collective-permute"}
+    out, lse, *grads = jax.device_get(fn(*placed))
+    mask = {"causal": static.get("causal", False), "window": static.get("window"),
+            "segments": arrays}
+    fa.assert_attention("segment ring", out, lse, q, k, v, **mask)
+    fa.assert_gradients("segment ring", grads, q, k, v, dout, dlse, **mask)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_shard_map_zigzag_ring(fa, gpus, causal):
     n = len(gpus)
