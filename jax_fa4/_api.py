@@ -193,8 +193,8 @@ def _choose_path(spec: AttentionSpec, implementation) -> AttentionSpec:
 def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
     """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
     its kernels were built."""
-    if spec.path == "reference" or spec.group_size == 1:
-        return spec
+    if spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int):
+        return spec  # a symbolic Sq (jax.export) keeps the plain layout
     packed = dataclasses.replace(spec, pack_gqa=True)
     if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, spec.fwd_kernel["tile_m"])
             and packed.fwd_kernel is not None

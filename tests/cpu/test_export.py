@@ -103,3 +103,19 @@ def test_export_of_a_shard_map_roundtrip(built):
             assert got.sharding.is_equivalent_to(want.sharding, got.ndim)
             np.testing.assert_array_equal(np.asarray(got, np.float32),
                                           np.asarray(want, np.float32))
+
+
+def test_export_grouped_symbolic_shapes(built):
+    # GQA with a symbolic Sq: pack-GQA is decided from Sq, so a symbolic one keeps the
+    # plain layout rather than fail to compare.
+    b, s = export.symbolic_shape("b, s")
+    q = jax.ShapeDtypeStruct((b, s, 8, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((b, s, 2, 64), jnp.bfloat16)
+    grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_fa4.attention(
+        q, k, v, causal=True).astype(jnp.float32)), argnums=(0, 1, 2)))
+    exported = export.export(
+        grad, platforms=("cpu", "cuda"),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(t)
+                         for t in ("jax_fa4_fwd", "jax_fa4_bwd")],
+    )(q, kv, kv)
+    assert "stablehlo.custom_call @jax_fa4_bwd" in exported.mlir_module()
