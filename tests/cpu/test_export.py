@@ -14,16 +14,21 @@ from jax_fa4._reference import reference_attention
 pytest.importorskip("flatbuffers", reason="jax.export serialization needs flatbuffers")
 
 
+def _export(fn, *args, targets=("jax_fa4_fwd", "jax_fa4_bwd")):
+    """fn exported for CPU and CUDA. Our FFI targets are not among jax's stable custom
+    calls; their ABI is ours to keep."""
+    return export.export(
+        fn, platforms=("cpu", "cuda"),
+        disabled_checks=[export.DisabledSafetyCheck.custom_call(t) for t in targets],
+    )(*args)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_export_roundtrip_symbolic_shapes(built, causal):
     b, s = export.symbolic_shape("b, s")
     arg = jax.ShapeDtypeStruct((b, s, 4, 64), jnp.bfloat16)
     attn = jax.jit(functools.partial(jax_fa4.attention, causal=causal, return_lse=True))
-    exported = export.export(
-        attn, platforms=("cpu", "cuda"),
-        # Our FFI target is not one of jax's stable custom calls; its ABI is ours to keep.
-        disabled_checks=[export.DisabledSafetyCheck.custom_call("jax_fa4_fwd")],
-    )(arg, arg, arg)
+    exported = _export(attn, arg, arg, arg, targets=("jax_fa4_fwd",))
     assert "stablehlo.custom_call @jax_fa4_fwd" in exported.mlir_module()
     restored = export.deserialize(exported.serialize())
 
@@ -50,11 +55,7 @@ def test_export_grad_roundtrip_symbolic_shapes(built):
         return jnp.sum(out.astype(jnp.float32)) + jnp.sum(lse)
 
     grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-    exported = export.export(
-        grad, platforms=("cpu", "cuda"),
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(t)
-                         for t in ("jax_fa4_fwd", "jax_fa4_bwd")],
-    )(arg, arg, arg)
+    exported = _export(grad, arg, arg, arg)
     assert "stablehlo.custom_call @jax_fa4_bwd" in exported.mlir_module()
     restored = export.deserialize(exported.serialize())
 
@@ -92,10 +93,8 @@ def test_export_of_a_shard_map_roundtrip(built):
     q, k, v = (jax.device_put(jax.random.normal(key, arg.shape, jnp.float32)
                               .astype(jnp.bfloat16), sharding)
                for key in jax.random.split(jax.random.key(0), 3))
-    checks = [export.DisabledSafetyCheck.custom_call(t) for t in ("jax_fa4_fwd", "jax_fa4_bwd")]
     for fn in (attn, jax.grad(loss, argnums=(0, 1, 2))):
-        exported = export.export(jax.jit(fn), platforms=("cpu", "cuda"),
-                                 disabled_checks=checks)(arg, arg, arg)
+        exported = _export(jax.jit(fn), arg, arg, arg)
         assert "stablehlo.custom_call @jax_fa4_fwd" in exported.mlir_module()
         restored = export.deserialize(exported.serialize())
         for got, want in zip(jax.tree.leaves(restored.call(q, k, v)),
@@ -113,9 +112,5 @@ def test_export_grouped_symbolic_shapes(built):
     kv = jax.ShapeDtypeStruct((b, s, 2, 64), jnp.bfloat16)
     grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jax_fa4.attention(
         q, k, v, causal=True).astype(jnp.float32)), argnums=(0, 1, 2)))
-    exported = export.export(
-        grad, platforms=("cpu", "cuda"),
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(t)
-                         for t in ("jax_fa4_fwd", "jax_fa4_bwd")],
-    )(q, kv, kv)
+    exported = _export(grad, q, kv, kv)
     assert "stablehlo.custom_call @jax_fa4_bwd" in exported.mlir_module()
