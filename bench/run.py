@@ -6,6 +6,7 @@
     python -m bench.run --hdims 128 --heads 32 --heads-kv 8   # GQA 32 / 8
     python -m bench.run --seqlens 16384 --causal true --window 1024   # sliding window
     python -m bench.run --hdims 128 --softcap 30 --backends jax_fa4   # softcap (jax_fa4 only)
+    python -m bench.run --hdims 192 --hdim-v 128          # D 192 / Dv 128 (MLA-style)
     python -m bench.run --seqlens 16384 --documents 8     # packed documents (+ jax_fa4_varlen)
     python -m bench.run --seqlens 8192 --seqlen-q 1 --batch 64 --heads 32 --heads-kv 8 \
         --causal false                                     # decode step (pack-GQA)
@@ -50,15 +51,19 @@ def load_anchors():
 
 
 def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
-            h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None):
+            h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None,
+            dv=None):
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
     causal sliding window over window_left + 1 keys; scores capped at softcap; rows
-    packed with `documents` equal documents, as segment ids). The
-    backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
-    convention of the anchors."""
+    packed with `documents` equal documents, as segment ids; v and out of head_dim dv,
+    default d). The backward is timed as a whole vjp (which re-runs the forward) minus
+    `fwd_ms`, the convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
-    q, dout = (jax.random.normal(key, (b, seqlen_q or s, h, d), dtype) for key in keys[:2])
-    k, v = (jax.random.normal(key, (b, s, h_kv or h, d), dtype) for key in keys[2:])
+    dv = dv or d
+    q = jax.random.normal(keys[0], (b, seqlen_q or s, h, d), dtype)
+    dout = jax.random.normal(keys[1], (b, seqlen_q or s, h, dv), dtype)
+    k = jax.random.normal(keys[2], (b, s, h_kv or h, d), dtype)
+    v = jax.random.normal(keys[3], (b, s, h_kv or h, dv), dtype)
     options = {"deterministic": True} if mode == "bwd_det" else {}
     if window_left is not None:
         options["window_left"] = window_left
@@ -75,13 +80,15 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
 
         ms = timer(vjp, q, k, v, dout, iterations=iterations) - fwd_ms
     flops = attention_flops(b, h, seqlen_q or s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
-                            window_left=window_left, documents=documents or 1)
+                            dv=dv, window_left=window_left, documents=documents or 1)
     return {"ms": ms, "tflops": flops / ms / 1e9}
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hdims", default="64,128,256")
+    ap.add_argument("--hdim-v", type=int,
+                    help="head_dim of v and out; default: each of --hdims")
     ap.add_argument("--seqlens", default="512,1024,2048,4096,8192,16384")
     ap.add_argument("--causal", default="false,true", help="comma-separated false, true")
     ap.add_argument("--heads", type=int, help="query heads; default 2048 / head_dim")
@@ -133,11 +140,12 @@ def main():
     dtype = getattr(jnp, args.dtype)
     # The anchors are for the standard shapes only (all heads, 2048 / head_dim of them).
     standard = not (args.heads or args.heads_kv or args.window is not None or args.softcap
-                    or args.documents or args.seqlen_q or args.batch)
+                    or args.documents or args.seqlen_q or args.batch or args.hdim_v)
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
-    shape = "".join([f", {args.heads} query heads" if args.heads else "",
+    shape = "".join([f", head_dim of v {args.hdim_v}" if args.hdim_v else "",
+                     f", {args.heads} query heads" if args.heads else "",
                      f", {args.heads_kv} K/V heads" if args.heads_kv else "",
                      f", sliding window {args.window}" if args.window is not None else "",
                      f", softcap {args.softcap:g}" if args.softcap else "",
@@ -172,14 +180,15 @@ def main():
                                        **({"softcap": args.softcap} if args.softcap else {}),
                                        **({"documents": args.documents}
                                           if args.documents else {}),
-                                       **({"sq": args.seqlen_q} if args.seqlen_q else {}))
+                                       **({"sq": args.seqlen_q} if args.seqlen_q else {}),
+                                       **({"dv": args.hdim_v} if args.hdim_v else {}))
                             try:
                                 if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
                                                    args.iterations, mode, fwd.get(be), h_kv,
                                                    args.window, args.softcap, args.documents,
-                                                   args.seqlen_q))
+                                                   args.seqlen_q, args.hdim_v))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]

@@ -45,7 +45,7 @@ struct BwdOperands {
 
 struct BwdProblem {
   const BwdKernel* kernel;
-  int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv;
+  int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv, head_dim_v;
   size_t lead;  // leading (batch) dimensions, folded into `batch`
   BwdExtents workspace;
 };
@@ -66,26 +66,29 @@ bool HasDims(const ffi::AnyBuffer& x, ffi::AnyBuffer::Dimensions ref, size_t lea
 // Validates the operands and picks the kernel; shared by both stages.
 ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap,
                                 bool segments) {
-  auto qd = x.q.dimensions(), kd = x.k.dimensions();
+  auto qd = x.q.dimensions(), kd = x.k.dimensions(), vd = x.v.dimensions();
   const std::string shapes = x.Describe();
-  if (qd.size() < 3 || kd.size() != qd.size())
+  if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
     return ffi::Error::InvalidArgument("jax_fa4_bwd: q, k, v, out, dout must have the same "
                                        "rank >= 3 (..., S, H, D); got " + shapes);
   const size_t r = qd.size(), lead = r - 3;
-  BwdProblem p{nullptr, 1, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], kd[r - 2], lead, {}};
+  BwdProblem p{nullptr, 1, qd[r - 3], kd[r - 3], qd[r - 2],
+               qd[r - 1], kd[r - 2], vd[r - 1], lead, {}};
   for (size_t i = 0; i < lead; ++i) p.batch *= qd[i];
   if (!GroupsHeads(p.heads, p.heads_kv))
     return ffi::Error::InvalidArgument("jax_fa4_bwd: the heads of k and v must divide the "
                                        "heads of q: " + shapes);
-  const std::initializer_list<int64_t> q_tail = {p.seqlen_q, p.heads, p.head_dim};
-  const std::initializer_list<int64_t> kv_tail = {p.seqlen_k, p.heads_kv, p.head_dim};
+  const std::initializer_list<int64_t> o_tail = {p.seqlen_q, p.heads, p.head_dim_v};
+  const std::initializer_list<int64_t> k_tail = {p.seqlen_k, p.heads_kv, p.head_dim};
+  const std::initializer_list<int64_t> v_tail = {p.seqlen_k, p.heads_kv, p.head_dim_v};
   const std::initializer_list<int64_t> lse_tail = {p.heads, p.seqlen_q};
-  if (!HasDims(x.k, qd, lead, kv_tail) || !HasDims(x.v, qd, lead, kv_tail) ||
-      !HasDims(x.out, qd, lead, q_tail) || !HasDims(x.dout, qd, lead, q_tail) ||
+  if (!HasDims(x.k, qd, lead, k_tail) || !HasDims(x.v, qd, lead, v_tail) ||
+      !HasDims(x.out, qd, lead, o_tail) || !HasDims(x.dout, qd, lead, o_tail) ||
       !HasDims(x.lse, qd, lead, lse_tail) || !HasDims(x.dlse, qd, lead, lse_tail))
-    return ffi::Error::InvalidArgument("jax_fa4_bwd: operand shapes disagree; expected q, out, "
-                                       "dout (..., Sq, H, D), k, v (..., Sk, Hkv, D), lse, dlse "
-                                       "(..., H, Sq): " + shapes);
+    return ffi::Error::InvalidArgument("jax_fa4_bwd: operand shapes disagree; expected q "
+                                       "(..., Sq, H, D), k (..., Sk, Hkv, D), v (..., Sk, Hkv, "
+                                       "Dv), out, dout (..., Sq, H, Dv), lse, dlse (..., H, Sq): " +
+                                       shapes);
   const ffi::DataType type = x.q.element_type();
   for (const ffi::AnyBuffer* b : {&x.k, &x.v, &x.out, &x.dout})
     if (b->element_type() != type)
@@ -99,12 +102,12 @@ ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap
   if (!ValidSoftcap(softcap, causal))
     return ffi::Error::InvalidArgument("jax_fa4_bwd: softcap must be finite and >= 0, and "
                                        "> 0 only with causal (the banded kernel)");
-  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f,
-                           segments);
+  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
+                           causal, softcap > 0.0f, segments);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_bwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
-                                       std::to_string(p.head_dim) +
+                                       HeadDims(p.head_dim, p.head_dim_v) +
                                        (causal ? ", causal" : ", non-causal") +
                                        (softcap > 0.0f ? ", softcap" : "") +
                                        (segments ? ", segments" : "") + ": " + shapes);
@@ -167,7 +170,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const std::string mismatches[] = {
       ResultMismatch("dq", *dq, type, "of q", qd, p, {p.seqlen_q, p.heads, p.head_dim}),
       ResultMismatch("dk", *dk, type, "of q", qd, p, {p.seqlen_k, p.heads_kv, p.head_dim}),
-      ResultMismatch("dv", *dv, type, "of q", qd, p, {p.seqlen_k, p.heads_kv, p.head_dim}),
+      ResultMismatch("dv", *dv, type, "of q", qd, p, {p.seqlen_k, p.heads_kv, p.head_dim_v}),
       ResultMismatch("lse2", *lse2, f32, "f32", qd, p, {p.heads, w.sq_pad}),
       ResultMismatch("dsum", *dsum, f32, "f32", qd, p, {p.heads, w.sq_pad}),
       ResultMismatch("dq_accum", *dq_accum, f32, "f32", qd, p, {p.heads, w.dq_accum}),

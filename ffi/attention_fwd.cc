@@ -35,7 +35,7 @@ std::string Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
 
 struct FwdProblem {
   const FwdKernel* kernel;
-  int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv;
+  int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv, head_dim_v;
 };
 
 // Validates the operands and picks the kernel; shared by both stages.
@@ -54,9 +54,9 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
       return ffi::Error::InvalidArgument("jax_fa4_fwd: leading (batch) dims differ: " + shapes);
     batch *= qd[i];
   }
-  FwdProblem p{nullptr, batch, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], kd[r - 2]};
-  if (vd[r - 2] != p.heads_kv || kd[r - 1] != p.head_dim || vd[r - 1] != p.head_dim ||
-      vd[r - 3] != p.seqlen_k)
+  FwdProblem p{nullptr, batch, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], kd[r - 2],
+               vd[r - 1]};
+  if (vd[r - 2] != p.heads_kv || kd[r - 1] != p.head_dim || vd[r - 3] != p.seqlen_k)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: heads, head_dim or seqlen_k of q, k, v "
                                        "disagree: " + shapes);
   if (!GroupsHeads(p.heads, p.heads_kv))
@@ -70,12 +70,12 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   if (!ValidSoftcap(softcap, causal))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
                                        "> 0 only with causal (the banded kernel)");
-  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), causal, softcap > 0.0f,
-                           segments);
+  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
+                           causal, softcap > 0.0f, segments);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
-                                       std::to_string(p.head_dim) +
+                                       HeadDims(p.head_dim, p.head_dim_v) +
                                        (causal ? ", causal" : ", non-causal") +
                                        (softcap > 0.0f ? ", softcap" : "") +
                                        (segments ? ", segments" : "") + ": " + shapes);
@@ -106,7 +106,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                1 + key_blocks);
   if (segments.has_error()) return segments.error();
 
-  if (out->element_type() != q.element_type() || out->element_count() != q.element_count() ||
+  if (out->element_type() != q.element_type() ||
+      out->element_count() != p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
       lse->element_count() != p.batch * p.heads * p.seqlen_q)
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))

@@ -65,6 +65,12 @@ inline std::string Dims(ffi::AnyBuffer::Dimensions dims) {
   return s + ")";
 }
 
+// "D", or "D / Dv" when v's head_dim differs from q's and k's.
+inline std::string HeadDims(int64_t head_dim, int64_t head_dim_v) {
+  return std::to_string(head_dim) +
+         (head_dim_v == head_dim ? "" : " / " + std::to_string(head_dim_v));
+}
+
 struct Named {
   const char* name;
   const ffi::AnyBuffer& buffer;

@@ -84,10 +84,11 @@ bool IsLoadedAt(int slot) {
 
 template <typename Args>
 const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head_dim,
-                         bool causal, bool softcap, bool segments) {
+                         int head_dim_v, bool causal, bool softcap, bool segments) {
   for (int i = 0; i < n; ++i) {
     const Kernel<Args>& k = table[i];
-    if (k.dtype == dtype && k.head_dim == head_dim && k.causal == causal &&
+    if (k.dtype == dtype && k.head_dim == head_dim && k.head_dim_v == head_dim_v &&
+        k.causal == causal &&
         k.softcap == softcap && k.segments == segments)
       return &k;
   }
@@ -98,14 +99,16 @@ const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head
 
 const char* DtypeName(Dtype dtype) { return dtype == Dtype::kBF16 ? "bf16" : "fp16"; }
 
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap,
-                               bool segments) {
-  return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, causal, softcap, segments);
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+                               bool softcap, bool segments) {
+  return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, head_dim_v, causal, softcap,
+              segments);
 }
 
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap,
-                               bool segments) {
-  return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, causal, softcap, segments);
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+                               bool softcap, bool segments) {
+  return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, head_dim_v, causal, softcap,
+              segments);
 }
 
 BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q) {

@@ -88,7 +88,8 @@ struct Kernel {
   const char* name;
   const char* arch;
   Dtype dtype;
-  int head_dim;
+  int head_dim;    // of q and k
+  int head_dim_v;  // of v and out
   bool causal;   // the banded variant (runtime band)
   bool softcap;  // scores capped as softcap * tanh(scores / softcap); banded only
   bool segments;  // visibility from per-row arrays and a plan (FwdArgs); banded only
@@ -109,10 +110,10 @@ extern const int kNumBwdKernels;
 const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap,
-                               bool segments);
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, bool causal, bool softcap,
-                               bool segments);
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+                               bool softcap, bool segments);
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+                               bool softcap, bool segments);
 
 // Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),
 // dq_accum and sem, each (batch, heads, extent).

@@ -33,9 +33,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     GQA / MQA: Hkv must divide Hq; query head h reads KV head h // (Hq // Hkv). With few
         query rows (decode steps) the kernels run a group's query heads as rows of one
         problem, reading K/V once per group (pack-GQA, `_pack_gqa`).
-    Dv: v may have its own head_dim (e.g. D = 192, Dv = 128); out has Dv. The kernels
-        run head dims they were not built for on inputs zero-padded to the next built
-        one (`kernels()`), up to 256.
+    Dv: v may have its own head_dim; out has Dv. D 192 / Dv 128 has kernels of its own;
+        other head dims the kernels were not built for run on inputs zero-padded to the
+        built (D, Dv) that holds them with the least D + Dv (`kernels()`), up to 256.
     softmax_scale: static Python number, default 1 / sqrt(D).
     alignment: where query row i sits on the key axis, a(i), for causal and window:
         "bottom_right" (default, FlashAttention): a(i) = i + Lk - Lq, so the last valid
@@ -157,8 +157,8 @@ def supports(q, k, v, **kwargs) -> tuple[bool, str]:
 
 
 def kernels() -> list[dict]:
-    """The compiled kernels (name, kind, arch, dtype, head_dim, causal, tile_m, tile_n,
-    and dq_parts for backward kernels);
+    """The compiled kernels (name, kind, arch, dtype, head_dim, head_dim_v, causal,
+    softcap, segments, tile_m, tile_n, and dq_parts for backward kernels);
     [] when the native module is not built."""
     return _registry.manifest()
 
@@ -243,18 +243,19 @@ def _kernel_path(spec: AttentionSpec, q, k, v, segments, sinks, padding):
 
 
 def _kernel_attention(spec: AttentionSpec, q, k, v, segments=()):
-    """The kernel paths at the kernels' head_dim: q, k, v zero-padded along D to it when
-    D or Dv is not built (exact; spec keeps the softmax scale of the true D), out cut
-    back to Dv. Autodiff of the pad and the cut carries the gradients."""
+    """The kernel paths at the kernels' head dims: q and k zero-padded along D, v along
+    Dv, to theirs when (D, Dv) is not built (exact; spec keeps the softmax scale of the
+    true D), out cut back to Dv. Autodiff of the pad and the cut carries the gradients."""
     kernel_spec = spec.for_kernel()
-    width = kernel_spec.head_dim
-    if (spec.head_dim, spec.head_dim_v) == (width, width):
+    dims = (kernel_spec.head_dim, kernel_spec.head_dim_v)
+    if (spec.head_dim, spec.head_dim_v) == dims:
         return _vjp.attention(spec, q, k, v, segments)
 
-    def pad(x):
+    def pad(x, width):
         return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
-    out, lse = _vjp.attention(kernel_spec, pad(q), pad(k), pad(v), segments)
+    out, lse = _vjp.attention(kernel_spec, pad(q, dims[0]), pad(k, dims[0]), pad(v, dims[1]),
+                              segments)
     return out[..., :spec.head_dim_v], lse
 
 

@@ -19,12 +19,12 @@ BWD_TARGET = "jax_fa4_bwd"
 
 
 def fwd(q, k, v, *segments, spec: AttentionSpec):
-    """q (B, Sq, H, D), k/v (B, Sk, Hkv, D) -> out (B, Sq, H, D), lse (B, H, Sq) fp32;
-    Hkv divides H (GQA/MQA). `segments`: (rows, keys) of `_segment_plan` for the
+    """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
+    lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of `_segment_plan` for the
     segment kernels, from which the plan for the forward's tiles is made here."""
     *lead, sq, heads, _ = q.shape
     results = (
-        jax.ShapeDtypeStruct(q.shape, q.dtype),
+        jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
         jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
@@ -42,8 +42,8 @@ def _segment_operands(segments, kernel, make_plan):
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
-    """q, out, dout (B, Sq, H, D), k/v (B, Sk, Hkv, D), lse/dlse (B, H, Sq) fp32
-    -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`. `segments` as for `fwd`.
+    """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out, dout (B, Sq, H, Dv),
+    lse/dlse (B, H, Sq) fp32 -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`. `segments` as for `fwd`.
 
     The kernel's workspaces are extra results: XLA allocates them (so they take part in
     its buffer assignment and in command buffers) and the kernel initializes them. Their

@@ -32,13 +32,18 @@ def manifest() -> list[dict]:
     return [dict(entry) for entry in _MANIFEST]
 
 
-def find_kernel(kind: str, dtype: str, head_dim: int, causal: bool,
+def head_dims(entry: dict) -> tuple[int, int]:
+    """(D, Dv) of a manifest entry."""
+    return entry["head_dim"], entry.get("head_dim_v", entry["head_dim"])
+
+
+def find_kernel(kind: str, dtype: str, dims: tuple[int, int], causal: bool,
                 softcap: bool = False, segments: bool = False) -> dict | None:
-    """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd") and
-    configuration, None if there is none."""
-    key = (kind, dtype, head_dim, causal, softcap, segments)
+    """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd"), head
+    dims (D, Dv) and configuration, None if there is none."""
+    key = (kind, dtype, dims, causal, softcap, segments)
     for entry in _MANIFEST:
-        if (entry["kind"], entry["dtype"], entry["head_dim"], entry["causal"],
+        if (entry["kind"], entry["dtype"], head_dims(entry), entry["causal"],
                 entry.get("softcap", False), entry.get("segments", False)) == key:
             return dict(entry)
     return None

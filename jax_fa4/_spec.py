@@ -189,26 +189,27 @@ class AttentionSpec:
         return KERNEL_DTYPES.get(self.dtype)
 
     @property
-    def kernel_head_dim(self) -> int | None:
-        """The head_dim of the kernels this spec runs: the smallest one built (for its
-        dtype and variant) that holds both D and Dv, whose inputs are zero-padded to it
-        (exact: zero columns add nothing to q.k, and out's extra columns are dropped);
-        None if no built head_dim is large enough."""
+    def kernel_head_dims(self) -> tuple[int, int] | None:
+        """(D, Dv) of the kernels this spec runs: of those built (for its dtype and
+        variant) that hold D and Dv, the one with the least D + Dv (the work per score),
+        then the least D. Smaller inputs are zero-padded to it (exact: zero columns add
+        nothing to q.k, and out's extra columns are dropped). None if none holds them."""
         if self.kernel_dtype is None:
             return None
-        need = max(self.head_dim, self.head_dim_v)
-        head_dims = sorted({e["head_dim"] for e in _registry.manifest()})
-        return next((h for h in head_dims
-                     if h >= need and self._find_kernel("fwd", h) is not None), None)
+        fits = sorted((d + dv, d, dv) for d, dv in {_registry.head_dims(e)
+                                                    for e in _registry.manifest()}
+                      if d >= self.head_dim and dv >= self.head_dim_v
+                      and self._find_kernel("fwd", (d, dv)) is not None)
+        return fits[0][1:] if fits else None
 
     def for_kernel(self) -> AttentionSpec:
-        """This spec at kernel_head_dim (D = Dv), the shape the kernel calls see."""
-        hd = self.kernel_head_dim
-        return dataclasses.replace(self, head_dim=hd, head_dim_v=hd)
+        """This spec at kernel_head_dims, the shapes the kernel calls see."""
+        d, dv = self.kernel_head_dims
+        return dataclasses.replace(self, head_dim=d, head_dim_v=dv)
 
     @property
     def kernel_name(self) -> str | None:
-        """The forward kernel for (dtype, kernel_head_dim, variant); None if none was
+        """The forward kernel for (dtype, kernel_head_dims, variant); None if none was
         built."""
         entry = self._find_kernel("fwd")
         return entry["name"] if entry else None
@@ -220,17 +221,18 @@ class AttentionSpec:
 
     @property
     def bwd_kernel(self) -> dict | None:
-        """The manifest entry of the backward kernel for (dtype, head_dim, causal); None
-        if none was built (the kernel paths then differentiate with the reference)."""
+        """The manifest entry of the backward kernel for (dtype, kernel_head_dims,
+        variant); None if none was built (the kernel paths then differentiate with the
+        reference)."""
         return self._find_kernel("bwd")
 
-    def _find_kernel(self, kind: str, head_dim: int | None = None) -> dict | None:
-        """The manifest entry of this spec's variant at head_dim (default:
-        kernel_head_dim); None if none was built."""
-        head_dim = self.kernel_head_dim if head_dim is None else head_dim
-        if head_dim is None:
+    def _find_kernel(self, kind: str, dims: tuple[int, int] | None = None) -> dict | None:
+        """The manifest entry of this spec's variant at head dims (D, Dv) (default:
+        kernel_head_dims); None if none was built."""
+        dims = self.kernel_head_dims if dims is None else dims
+        if dims is None:
             return None
-        return _registry.find_kernel(kind, self.kernel_dtype, head_dim, self.banded,
+        return _registry.find_kernel(kind, self.kernel_dtype, dims, self.banded,
                                      self.softcap is not None, self.segment_kernel)
 
     def kernel_support(self) -> tuple[bool, str]:
@@ -244,8 +246,9 @@ class AttentionSpec:
         if reason := _registry.native_reason():
             return False, reason
         if self.kernel_name is None:
-            built = sorted({e["head_dim"] for e in _registry.manifest()
-                            if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)})
+            built = ", ".join(str(d) if d == dv else f"{d}/{dv}" for d, dv in sorted(
+                {_registry.head_dims(e) for e in _registry.manifest()
+                 if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)}))
             masked = self.causal or self.window != (None, None)
             dims = (f"head_dim={self.head_dim}" if self.head_dim_v == self.head_dim
                     else f"head_dims D={self.head_dim}, Dv={self.head_dim_v}")
@@ -254,7 +257,7 @@ class AttentionSpec:
                 f"mask={'causal/window' if masked else 'none'}"
                 f"{' softcap' if self.softcap is not None else ''}"
                 f"{' segments' if self.segment_kernel else ''}; head_dims built for "
-                f"{self.kernel_dtype}: {built} (smaller ones run zero-padded)"
+                f"{self.kernel_dtype} (D or D/Dv): [{built}] (smaller ones run zero-padded)"
             )
         return True, ""
 

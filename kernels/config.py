@@ -16,6 +16,8 @@ import itertools
 
 DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 96, 128, 256)
+# (D of q and k, Dv of v and out) pairs with a kernel of their own besides D == Dv.
+HEAD_DIM_PAIRS = ((192, 128),)
 ARCHS = ("sm_90a",)
 
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
@@ -53,6 +55,9 @@ _TILES = {
     (128, True): Tile(m=128, n=128, kv_stages=2),
     (256, False): Tile(m=128, n=80, kv_stages=2),
     (256, True): Tile(m=128, n=80, kv_stages=2),
+    # D 192 / Dv 128: Q 48 + K 2 x 48 + V 2 x 32 = 208 KB.
+    (192, False): Tile(m=128, n=128, kv_stages=2),
+    (192, True): Tile(m=128, n=128, kv_stages=2),
 }
 
 
@@ -72,13 +77,21 @@ class _KernelConfig:
     # of the blocks to visit, all runtime arrays (kernels/sm90/segments.py). Banded
     # variants only; the band itself comes in the per-row key ranges.
     segments: bool = False
+    # Dv of v and out; None means D. Pairs with D != Dv are HEAD_DIM_PAIRS.
+    head_dim_v: int | None = None
 
     kind = ""
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
-        if self.head_dim not in HEAD_DIMS:
+        if self.head_dim_v is None:
+            object.__setattr__(self, "head_dim_v", self.head_dim)
+        if self.head_dim_v != self.head_dim:
+            if (self.head_dim, self.head_dim_v) not in HEAD_DIM_PAIRS:
+                raise ValueError(f"head dims (D, Dv) = ({self.head_dim}, {self.head_dim_v}) "
+                                 f"not in {HEAD_DIM_PAIRS}")
+        elif self.head_dim not in HEAD_DIMS:
             raise ValueError(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
@@ -91,7 +104,9 @@ class _KernelConfig:
         arch = self.arch.removesuffix("a").replace("_", "")
         cap = "_softcap" if self.softcap else ""
         seg = "_segments" if self.segments else ""
-        return f"{self.kind}_{arch}_{self.dtype}_d{self.head_dim}_{mask}{cap}{seg}"
+        dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
+                                      else "")
+        return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
 
     def manifest_entry(self) -> dict:
         """The record the native module exposes for this kernel."""
@@ -101,6 +116,7 @@ class _KernelConfig:
             "arch": self.arch,
             "dtype": self.dtype,
             "head_dim": self.head_dim,
+            "head_dim_v": self.head_dim_v,
             "causal": self.causal,
             "softcap": self.softcap,
             "segments": self.segments,
@@ -144,6 +160,8 @@ _BWD_TILES = {
     96: BwdTile(m=64, n=128, q_stages=2),
     128: BwdTile(m=64, n=128, q_stages=2),
     256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True),
+    # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB.
+    192: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True),
 }
 
 
@@ -164,12 +182,14 @@ class BwdConfig(_KernelConfig):
 # (causal, softcap, segments) of the variants built per (dtype, head_dim).
 _VARIANTS = ((False, False, False), (True, False, False), (True, True, False),
              (True, False, True), (True, True, True))
+# (D, Dv) of every kernel: the square head dims, then the pairs.
+_DIMS = tuple((h, h) for h in HEAD_DIMS) + HEAD_DIM_PAIRS
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap, segments=seg)
-    for d, h, (c, cap, seg) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
+    FwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg)
+    for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
-    BwdConfig(dtype=d, head_dim=h, causal=c, softcap=cap, segments=seg)
-    for d, h, (c, cap, seg) in itertools.product(DTYPES, HEAD_DIMS, _VARIANTS)
+    BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg)
+    for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)
 )
 MANIFEST = FWD_MANIFEST + BWD_MANIFEST

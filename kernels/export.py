@@ -85,6 +85,13 @@ TENSORS = {
         Param("mSem", "sem", "bhn", "sem_len", "i32"),
     ),
 }
+# Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
+VALUE_FIELDS = ("v", "o", "dout", "dv")
+
+
+def width(cfg: Config, p: Param) -> int:
+    """The static head_dim of a "bshd" tensor parameter."""
+    return cfg.head_dim_v if p.field in VALUE_FIELDS else cfg.head_dim
 # Segment variants take these after the tensors above (kernels/sm90/segments.py).
 SEGMENT_TENSORS = (
     Param("mRows", "q_rows", "bhn", "seqlen_q", "i32", heads="3"),
@@ -171,7 +178,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     def fake(p: Param):
         b, h, n = sizes["batch"], sizes[p.heads], sizes[p.extent]
         if p.layout == "bshd":
-            shape, order = (b, n, h, cfg.head_dim), (3, 2, 1, 0)
+            shape, order = (b, n, h, width(cfg, p)), (3, 2, 1, 0)
         else:
             shape, order = (b, h, n), (2, 1, 0)
         return make_fake_compact_tensor(dtypes[p.dtype], shape, stride_order=order,
@@ -232,7 +239,8 @@ def _entry(cfg: Config) -> str:
         struct = f"{cfg.name}_Tensor_{p.tensor}_t"
         heads = p.heads if p.heads.isdigit() else f"a.{p.heads}"
         if p.layout == "bshd":
-            make = f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, {heads}, {cfg.head_dim})"
+            make = (f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, {heads}, "
+                    f"{width(cfg, p)})")
         else:
             make = f"Bhn<{struct}>(a.{p.field}, a.batch, {heads}, a.{p.extent})"
         lines.append(f"  auto {p.field} = {make};")
@@ -260,7 +268,8 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
             causal, softcap, segments = ("true" if flag else "false"
                                          for flag in (cfg.causal, cfg.softcap, cfg.segments))
             lines.append(
-                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {causal}, {softcap}, {segments}, '
+                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
+                f'{causal}, {softcap}, {segments}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

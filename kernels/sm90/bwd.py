@@ -95,10 +95,14 @@ class BwdSm90:
     dq_writers = True
     # (tile_m, tile_n) 16-bit tiles staged per ring stage: dS^T.
     staged_s_tiles = 1
+    # Column parts of the Q, dO and V tiles that a GEMM takes on its own (the split
+    # kernel's consumers each take one): their swizzle atoms must not straddle a part.
+    col_parts = 1
 
     def __init__(self, cfg: BwdConfig):
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
+        self.head_dim_v = cfg.head_dim_v
         self.causal = cfg.causal
         self.softcap = cfg.softcap
         self.segments = cfg.segments
@@ -168,20 +172,20 @@ class BwdSm90:
         mdQaccum: cute.Tensor,
         mSem: cute.Tensor,
     ):
-        """128 threads. Row sums: D / 8 threads per query row (rounded up to a power of
+        """128 threads. Row sums: Dv / 8 threads per query row (rounded up to a power of
         two for the shuffle reduction; the extra lanes add 0), 8 head dims (16 bytes of O
         and of dO) each, so a warp reads whole rows; then the tile's dQ accumulator is
         zeroed 16 bytes per thread, a warp writing 512 contiguous bytes."""
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mO.shape[1]
-        per_row = 1 << (self.head_dim // VEC - 1).bit_length()
+        per_row = 1 << (self.head_dim_v // VEC - 1).bit_length()
         rows_per_pass = WARPGROUP // per_row
         lane = tidx % per_row
         for p in cutlass.range_constexpr(self.tile_m // rows_per_pass):
             row = m_block * self.tile_m + p * rows_per_pass + tidx // per_row
             total = Float32(0.0)
-            if row < seqlen_q and lane < self.head_dim // VEC:
+            if row < seqlen_q and lane < self.head_dim_v // VEC:
                 o = cute.local_tile(mO[batch, row, head, None], (VEC,), (lane,))
                 do = cute.local_tile(mdO[batch, row, head, None], (VEC,), (lane,))
                 prod = o.load().to(Float32) * do.load().to(Float32)
@@ -258,24 +262,18 @@ class BwdSm90:
         self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
         scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
     ):
-        dt, d = self.dtype, self.head_dim
+        dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
         q, k, v, do = _seq_major(mQ), _seq_major(mK), _seq_major(mV), _seq_major(mdO)
-        dk, dv = _seq_major(mdK), _seq_major(mdV)
+        dk, dv_t = _seq_major(mdK), _seq_major(mdV)
         lse2, dsum = _row_major_3(mLSE2), _row_major_3(mDsum)
 
-        sdp_tiler = (KEYS_PER_CONSUMER, self.tile_m, d)
-        # Q and dO: B operands of S^T / dP^T (K-major over D); transposed, of dK / dV.
-        sQ_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, sdp_tiler, dt, self.q_stages)
+        # Q and dO: B operands of S^T / dP^T (K-major over D, Dv); transposed, of dK / dV.
+        sQ_layout = self._k_major_layout(self.tile_m, d, self.q_stages, self.col_parts)
+        sdO_layout = self._k_major_layout(self.tile_m, dv, self.q_stages, self.col_parts)
         # V: A operand of dP^T. K: A operand of S^T and, transposed, the B operand of
-        # dQ = dS K where each consumer takes D / consumers columns: its swizzle atom
-        # must not be wider than that.
-        sV_layout = sm90_utils.make_smem_layout_a(
-            LayoutEnum.ROW_MAJOR, (self.tile_n, self.tile_m, d), dt, 1
-        )
-        k_atom = make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, dt, self.dq_cols), dt
-        )
-        sK_layout = cute.tile_to_shape(k_atom, (self.tile_n, d, 1), order=(0, 1, 2))
+        # dQ = dS K where each consumer takes D / consumers columns.
+        sV_layout = self._k_major_layout(self.tile_n, dv, 1, self.col_parts)
+        sK_layout = self._k_major_layout(self.tile_n, d, 1, self.consumers)
         # dS as the A operand of dQ = dS K: (tile_m, tile_n), query rows contiguous, so
         # consumers store their S^T-shaped fragments rows-of-keys first. Double
         # buffered: a consumer may write the next tile's dS^T while the other still
@@ -285,6 +283,7 @@ class BwdSm90:
             self.q_stages * self.staged_s_tiles,
         )
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
+        sdO_one = cute.slice_(sdO_layout, (None, None, 0))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
         sV_one = cute.slice_(sV_layout, (None, None, 0))
         row_layout = cute.make_layout(self.tile_m)
@@ -292,17 +291,18 @@ class BwdSm90:
         load = cpasync.CopyBulkTensorTileG2SOp()
         store = cpasync.CopyBulkTensorTileS2GOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (self.tile_m, d))
-        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load, do, sQ_one, (self.tile_m, d))
+        tma_atom_do, tma_do = cpasync.make_tiled_tma_atom(load, do, sdO_one, (self.tile_m, dv))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, v, sV_one, (self.tile_n, d))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, v, sV_one, (self.tile_n, dv))
         tma_atom_lse2, tma_lse2 = cpasync.make_tiled_tma_atom(load, lse2, row_layout, (self.tile_m,))
         tma_atom_dsum, tma_dsum = cpasync.make_tiled_tma_atom(load, dsum, row_layout, (self.tile_m,))
         tma_atom_dk, tma_dk = cpasync.make_tiled_tma_atom(store, dk, sK_one, (self.tile_n, d))
-        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, dv, sV_one, (self.tile_n, d))
+        tma_atom_dv, tma_dv = cpasync.make_tiled_tma_atom(store, dv_t, sV_one, (self.tile_n, dv))
         row_bytes = self.tile_m * 4
         self.q_bytes = cute.size_in_bytes(dt, sQ_one) + row_bytes
+        self.do_bytes = cute.size_in_bytes(dt, sdO_one) + row_bytes
         self.kv_bytes = cute.size_in_bytes(dt, sK_one) + cute.size_in_bytes(dt, sV_one)
-        self.storage = self._storage(sQ_layout, sK_layout, sV_layout, sdS_layout)
+        self.storage = self._storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
         n_blocks, heads_kv = cute.ceil_div(k.shape[0], self.tile_n), k.shape[2]
         grid = (n_blocks, heads_kv, k.shape[3])
         if cutlass.const_expr(self.causal):
@@ -319,10 +319,19 @@ class BwdSm90:
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
             tma_atom_dv, tma_dv, mdQaccum, mSem, mRows, mKeys, mPlan, scale_log2, scale,
             deterministic, band_lo, band_hi, softcap_scale,
-            sQ_layout, sK_layout, sV_layout, sdS_layout,
+            sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
         ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
-    def _storage(self, sQ_layout, sK_layout, sV_layout, sdS_layout):
+    def _k_major_layout(self, rows: int, cols: int, stages: int, parts: int):
+        """(rows, cols, stages) 16-bit shared memory, cols contiguous, with the widest
+        swizzle atom that fits in cols / parts, so each of the parts starts on an atom."""
+        atom = make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, self.dtype, cols // parts),
+            self.dtype,
+        )
+        return cute.tile_to_shape(atom, (rows, cols, stages), order=(0, 1, 2))
+
+    def _storage(self, sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout):
         """Shared memory: the rings, K, V, the staged dS^T (and P^T) tiles and, with
         writer warps, the fp32 staging buffer of both consumers' dQ partials."""
         dt, rows = self.dtype, self.tile_m * self.q_stages
@@ -337,7 +346,7 @@ class BwdSm90:
             if self.dq_writers:
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
             sdS: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdS_layout)], 1024]
@@ -375,6 +384,7 @@ class BwdSm90:
         band_hi: Int32,
         softcap_scale: Float32,
         sQ_layout: cute.ComposedLayout,
+        sdO_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
         sdS_layout: cute.ComposedLayout,
@@ -386,7 +396,7 @@ class BwdSm90:
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
-        sdO = storage.sdO.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
+        sdO = storage.sdO.get_tensor(sdO_layout.outer, swizzle=sdO_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
         sdS = storage.sdS.get_tensor(sdS_layout.outer, swizzle=sdS_layout.inner)
@@ -401,8 +411,8 @@ class BwdSm90:
                 cpasync.prefetch_descriptor(atom)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_full, 1)
-        q_producer, q_consumer = self._ring(storage.q_mbar.data_ptr())
-        do_producer, do_consumer = self._ring(storage.do_mbar.data_ptr())
+        q_producer, q_consumer = self._ring(storage.q_mbar.data_ptr(), self.q_bytes)
+        do_producer, do_consumer = self._ring(storage.do_mbar.data_ptr(), self.do_bytes)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -450,14 +460,14 @@ class BwdSm90:
                 seqlen_k, band_lo, band_hi, softcap_scale, mdQaccum, mSem, deterministic, seg,
             )
 
-    def _ring(self, barriers):
+    def _ring(self, barriers, tx_count: int):
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
             # one release per consumer warp (PipelineTmaAsync signals from lane 0)
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers),
-            tx_count=self.q_bytes,
+            tx_count=tx_count,
             defer_sync=True,
         ).make_participants()
 
@@ -471,10 +481,10 @@ class BwdSm90:
         n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
         seg,
     ):
-        d = self.head_dim
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(kv_full, self.kv_bytes)
-        for atom, src, dst in ((tma_atom_k, tma_k, sK), (tma_atom_v, tma_v, sV)):
+        for atom, src, dst, d in ((tma_atom_k, tma_k, sK, self.head_dim),
+                                  (tma_atom_v, tma_v, sV, self.head_dim_v)):
             g = cute.local_tile(src[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
             s_part, g_part = cpasync.tma_partition(
                 atom, 0, cute.make_layout(1),
@@ -484,8 +494,9 @@ class BwdSm90:
 
         head0, group = heads
         for head in cutlass.range(head0, head0 + group, unroll=1):
-            tQsQ, tQgQ = self._tile_partition(tma_atom_q, tma_q, sQ, head, batch)
-            tOsO, tOgO = self._tile_partition(tma_atom_do, tma_do, sdO, head, batch)
+            tQsQ, tQgQ = self._tile_partition(tma_atom_q, tma_q, sQ, head, batch, self.head_dim)
+            tOsO, tOgO = self._tile_partition(tma_atom_do, tma_do, sdO, head, batch,
+                                              self.head_dim_v)
             tLsL, tLgL = self._row_partition(tma_atom_lse2, tma_lse2, sLSE2, head, batch)
             tDsD, tDgD = self._row_partition(tma_atom_dsum, tma_dsum, sDsum, head, batch)
             for i in cutlass.range(m_begin, m_end, unroll=1):
@@ -499,8 +510,8 @@ class BwdSm90:
                     tma_atom_dsum, tDgD[None, m], tDsD,
                 )
 
-    def _tile_partition(self, atom, tma_t, ring, head, batch):
-        g = cute.local_tile(tma_t[None, None, head, batch], (self.tile_m, self.head_dim), (None, 0))
+    def _tile_partition(self, atom, tma_t, ring, head, batch, width: int):
+        g = cute.local_tile(tma_t[None, None, head, batch], (self.tile_m, width), (None, 0))
         return cpasync.tma_partition(
             atom, 0, cute.make_layout(1), cute.group_modes(ring, 0, 2), cute.group_modes(g, 0, 2)
         )
@@ -626,28 +637,28 @@ class BwdSm90:
     ):
         """Consumer c's loop over the group's query heads and their query tiles; the dQ
         writer warps add its dQ partials."""
-        d, tm = self.head_dim, self.tile_m
+        d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
         sdQ_ptr = storage.sdQ.data_ptr()
         thr_sdp = self._sdp_mma().get_slice(tidx)
-        dkv_mma = self._dkv_mma()
-        thr_dkv = dkv_mma.get_slice(tidx)
+        thr_dk = self._dkv_mma(d).get_slice(tidx)
+        thr_dv = self._dkv_mma(dv).get_slice(tidx)
         thr_dq = self._dq_mma().get_slice(tidx)
         sK_c = cute.local_tile(sK[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
-        sV_c = cute.local_tile(sV[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
+        sV_c = cute.local_tile(sV[None, None, 0], (KEYS_PER_CONSUMER, dv), (c, 0))
         frags = _Fragments(
             k=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK_c)),
             q=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
             v=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV_c)),
             do=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
-            do_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(wgmma.transposed(sdO))),
-            q_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(wgmma.transposed(sQ))),
+            do_t=thr_dv.make_fragment_B(thr_dv.partition_B(wgmma.transposed(sdO))),
+            q_t=thr_dk.make_fragment_B(thr_dk.partition_B(wgmma.transposed(sQ))),
             ds=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
             k_t=thr_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(
                 wgmma.transposed(sK[None, None, 0]), (self.dq_cols, self.tile_n), (c, 0)))),
         )
         sdS_t = wgmma.transposed(sdS)  # (tile_n keys, tile_m queries, stages)
-        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((KEYS_PER_CONSUMER, d)))
-        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((KEYS_PER_CONSUMER, d)))
+        acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((KEYS_PER_CONSUMER, dv)))
+        acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((KEYS_PER_CONSUMER, d)))
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         s_shape = thr_sdp.partition_shape_C((KEYS_PER_CONSUMER, tm))
@@ -690,7 +701,7 @@ class BwdSm90:
                             tidx, key0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
                         )
         self.epilogue(
-            acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
+            acc_dk, acc_dv, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             sK, sV, c, tidx, warp, n_block, kv_head, batch,
         )
 
@@ -732,7 +743,8 @@ class BwdSm90:
             for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
                 s_rc[r, col] = cute.math.exp2(s_rc[r, col] * scale_log2 - lse2, fastmath=True)
         r_p.store(acc_s.load().to(self.dtype))
-        wgmma.gemm(self._dkv_mma(), acc_dv, p_op, frags.do_t[None, None, None, stage], False)
+        wgmma.gemm(self._dkv_mma(self.head_dim_v), acc_dv, p_op,
+                   frags.do_t[None, None, None, stage], False)
 
         warpgroup.wait_group(1)  # dP^T
         dp_rc = rows_cols(acc_dp)
@@ -744,7 +756,8 @@ class BwdSm90:
                     ds = ds * ds_rc[r, col].to(Float32)
                 dp_rc[r, col] = ds
         r_ds.store(acc_dp.load().to(self.dtype))
-        wgmma.gemm(self._dkv_mma(), acc_dk, ds_op, frags.q_t[None, None, None, stage], False)
+        wgmma.gemm(self._dkv_mma(self.head_dim), acc_dk, ds_op,
+                   frags.q_t[None, None, None, stage], False)
 
         my_ds_rows = cute.local_tile(sdS_t[None, None, stage], (KEYS_PER_CONSUMER, self.tile_m), (c, 0))
         wgmma.store_acc(ds_r2s, r_ds, my_ds_rows, tidx)
@@ -767,26 +780,28 @@ class BwdSm90:
 
     @cute.jit
     def epilogue(
-        self, acc_dk, acc_dv, dkv_mma, scale: Float32,
+        self, acc_dk, acc_dv, scale: Float32,
         tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, sK, sV,
         c: Int32, tidx: Int32, warp: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
     ):
-        """dK * scale and dV -> this consumer's rows of the K and V buffers -> TMA."""
-        d = self.head_dim
+        """dK * scale and dV -> this consumer's part of the K and V buffers -> TMA."""
+        d, dv = self.head_dim, self.head_dim_v
         r_dk = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         r_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
         r_dk.store((acc_dk.load() * scale).to(self.dtype))
         r_dv.store(acc_dv.load().to(self.dtype))
         barrier = pipeline.NamedBarrier(Barrier.EPILOGUE, WARPGROUP * self.consumers)
         barrier.arrive_and_wait()  # both consumers' GEMMs have stopped reading K and V
-        r2s = wgmma.acc_store_copy(dkv_mma, self.dtype)
-        for vals, buf in ((r_dk, sK), (r_dv, sV)):
-            wgmma.store_acc(r2s, vals, self._dkv_tile(buf[None, None, 0], c), tidx)
+        for vals, buf, width in ((r_dk, sK, d), (r_dv, sV, dv)):
+            r2s = wgmma.acc_store_copy(self._dkv_mma(width), self.dtype)
+            wgmma.store_acc(r2s, vals, self._dkv_tile(buf[None, None, 0], c, width), tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         barrier.arrive_and_wait()
         if warp == WARPGROUP // WARP:  # first consumer warp
-            for atom, tma_t, buf in ((tma_atom_dk, tma_dk, sK), (tma_atom_dv, tma_dv, sV)):
-                g = cute.local_tile(tma_t[None, None, kv_head, batch], (self.tile_n, d), (n_block, 0))
+            for atom, tma_t, buf, width in ((tma_atom_dk, tma_dk, sK, d),
+                                            (tma_atom_dv, tma_dv, sV, dv)):
+                g = cute.local_tile(tma_t[None, None, kv_head, batch], (self.tile_n, width),
+                                    (n_block, 0))
                 s_part, g_part = cpasync.tma_partition(
                     atom, 0, cute.make_layout(1),
                     cute.group_modes(buf[None, None, 0], 0, 2), cute.group_modes(g, 0, 2),
@@ -795,9 +810,9 @@ class BwdSm90:
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
-    def _dkv_tile(self, buf, c):
-        """Consumer c's part of a (tile_n, D) dK or dV tile: its 64 keys."""
-        return cute.local_tile(buf, (KEYS_PER_CONSUMER, self.head_dim), (c, 0))
+    def _dkv_tile(self, buf, c, width: int):
+        """Consumer c's part of a (tile_n, width) dK or dV tile: its 64 keys."""
+        return cute.local_tile(buf, (KEYS_PER_CONSUMER, width), (c, 0))
 
     # ------------------------------------------------------------------ tiled MMAs
     # Fresh per GEMM issue (wgmma.py says why). Each is one warpgroup's.
@@ -809,11 +824,12 @@ class BwdSm90:
             (KEYS_PER_CONSUMER, self.tile_m),
         )
 
-    def _dkv_mma(self):
-        """dV += P^T dO and dK += dS^T Q: (64 keys, D), A from registers."""
+    def _dkv_mma(self, width: int):
+        """dV += P^T dO (width Dv) and dK += dS^T Q (width D): (64 keys, width), A from
+        registers."""
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (1, 1, 1), (KEYS_PER_CONSUMER, self.head_dim), warpgroup.OperandSource.RMEM,
+            (1, 1, 1), (KEYS_PER_CONSUMER, width), warpgroup.OperandSource.RMEM,
         )
 
     def _dq_mma(self):

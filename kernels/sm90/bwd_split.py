@@ -1,9 +1,11 @@
-"""FlashAttention backward for Hopper at head_dim 256: the kernel of kernels/sm90/bwd.py
-with the head dims, not the keys, split between the two consumer warpgroups.
+"""FlashAttention backward for Hopper at head_dim 256 and at D 192 / Dv 128: the kernel
+of kernels/sm90/bwd.py with the head dims, not the keys, split between the two consumer
+warpgroups.
 
 At d256 one warpgroup's dK and dV for 64 keys would take 256 fp32 registers per
 thread, and a 64-key block of K and V plus 2-stage Q and dO rings already fill shared
-memory. So both consumers work on the same 64 keys, each on 128 of the head dims
+memory; at 192 / 128, 160 registers of dK and dV leave no room for S^T and dP^T. So
+both consumers work on the same 64 keys, each on half of the head dims of dK and of dV
 (half h), and the two (keys x queries) GEMMs are shared out:
 
     consumer 0:  S^T = K Q^T    -> P^T (mask, exp2)     -> shared     (P_READY)
@@ -49,10 +51,13 @@ class BwdSm90SplitD(BwdSm90):
     dq_writers = False
     # Per ring stage: dS^T in stages [0, q_stages), P^T in [q_stages, 2 * q_stages).
     staged_s_tiles = 2
+    col_parts = 2
 
     def __init__(self, cfg: BwdConfig):
         super().__init__(cfg)
         assert cfg.tile.split_head_dim and self.tile_n == KEYS_PER_CONSUMER
+        # each consumer's share of dV's columns (dq_cols: of dQ's and dK's)
+        self.dv_cols = self.head_dim_v // self.consumers
 
     @cute.jit
     def mma(
@@ -69,30 +74,31 @@ class BwdSm90SplitD(BwdSm90):
         group's query heads (bwd.py)."""
         tm, tn, dc, stages = self.tile_m, self.tile_n, self.dq_cols, self.q_stages
         thr_sdp = self._sdp_mma().get_slice(tidx)
-        dkv_mma = self._dkv_mma()
-        thr_dkv = dkv_mma.get_slice(tidx)
+        thr_dk = self._dkv_mma(self.head_dim).get_slice(tidx)
+        thr_dv = self._dkv_mma(self.head_dim_v).get_slice(tidx)
         thr_dq = self._dq_mma().get_slice(tidx)
         s_tiles = cute.local_tile(sdS, (tm, tn, stages), (0, 0, None))
         sdS_now, sP = s_tiles[None, None, None, 0], s_tiles[None, None, None, 1]
 
-        def half(t):  # head dims [c * dc, (c + 1) * dc) of a (D, rows, stages) view
-            return cute.local_tile(t, (dc, tm, stages), (c, 0, 0))
+        def half(t, cols):  # dims [c * cols, (c + 1) * cols) of a (dims, rows, stages) view
+            return cute.local_tile(t, (cols, tm, stages), (c, 0, 0))
 
         frags = _Fragments(
             k=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK[None, None, 0])),
             q=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
             v=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV[None, None, 0])),
             do=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
-            p_t=thr_dkv.make_fragment_A(thr_dkv.partition_A(wgmma.transposed(sP))),
-            ds_t=thr_dkv.make_fragment_A(thr_dkv.partition_A(wgmma.transposed(sdS_now))),
-            do_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(half(wgmma.transposed(sdO)))),
-            q_t=thr_dkv.make_fragment_B(thr_dkv.partition_B(half(wgmma.transposed(sQ)))),
+            p_t=thr_dv.make_fragment_A(thr_dv.partition_A(wgmma.transposed(sP))),
+            ds_t=thr_dk.make_fragment_A(thr_dk.partition_A(wgmma.transposed(sdS_now))),
+            do_t=thr_dv.make_fragment_B(thr_dv.partition_B(
+                half(wgmma.transposed(sdO), self.dv_cols))),
+            q_t=thr_dk.make_fragment_B(thr_dk.partition_B(half(wgmma.transposed(sQ), dc))),
             ds=thr_dq.make_fragment_A(thr_dq.partition_A(sdS_now)),
             k_t=thr_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(
                 wgmma.transposed(sK[None, None, 0]), (dc, tn), (c, 0)))),
         )
-        acc_dv = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((tn, dc)))
-        acc_dk = thr_dkv.make_fragment_C(thr_dkv.partition_shape_C((tn, dc)))
+        acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((tn, self.dv_cols)))
+        acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((tn, dc)))
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         key0 = n_block * tn
@@ -122,7 +128,7 @@ class BwdSm90SplitD(BwdSm90):
                             mdQaccum, mSem, deterministic, seg, m, 1,
                         )
         self.epilogue(
-            acc_dk, acc_dv, dkv_mma, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
+            acc_dk, acc_dv, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
             sK, sV, c, tidx, warp, n_block, kv_head, batch,
         )
 
@@ -190,9 +196,9 @@ class BwdSm90SplitD(BwdSm90):
             cute.arch.fence_proxy("async.shared", space="cta")
         self._pair_barrier(Barrier.DS_READY).arrive_and_wait()
 
-        wgmma.gemm(self._dkv_mma(), acc_dv, frags.p_t[None, None, None, stage],
+        wgmma.gemm(self._dkv_mma(self.head_dim_v), acc_dv, frags.p_t[None, None, None, stage],
                    frags.do_t[None, None, None, stage], False)
-        wgmma.gemm(self._dkv_mma(), acc_dk, frags.ds_t[None, None, None, stage],
+        wgmma.gemm(self._dkv_mma(self.head_dim), acc_dk, frags.ds_t[None, None, None, stage],
                    frags.q_t[None, None, None, stage], False)
         acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, self.dq_cols)))
         wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
@@ -235,14 +241,15 @@ class BwdSm90SplitD(BwdSm90):
     def _pair_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP * self.consumers)
 
-    def _dkv_tile(self, buf, c):
-        """Consumer c's part of a (tile_n, D) dK or dV tile: all keys, half c of D."""
-        return cute.local_tile(buf, (self.tile_n, self.dq_cols), (0, c))
+    def _dkv_tile(self, buf, c, width: int):
+        """Consumer c's part of a (tile_n, width) dK or dV tile: all keys, half c of the
+        head dims."""
+        return cute.local_tile(buf, (self.tile_n, width // self.consumers), (0, c))
 
-    def _dkv_mma(self):
-        """dV_h += P^T dO_h and dK_h += dS^T Q_h: (64 keys, D / 2), both operands from
-        shared memory."""
+    def _dkv_mma(self, width: int):
+        """dV_h += P^T dO_h (width Dv) and dK_h += dS^T Q_h (width D): (64 keys,
+        width / 2), both operands from shared memory."""
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (1, 1, 1), (KEYS_PER_CONSUMER, self.dq_cols),
+            (1, 1, 1), (KEYS_PER_CONSUMER, width // self.consumers),
         )

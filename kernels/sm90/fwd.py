@@ -71,6 +71,7 @@ class FwdSm90:
     def __init__(self, cfg: FwdConfig):
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
+        self.head_dim_v = cfg.head_dim_v
         self.causal = cfg.causal
         self.softcap = cfg.softcap
         self.segments = cfg.segments
@@ -99,17 +100,18 @@ class FwdSm90:
         stream: cuda.CUstream,
     ):
         """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI)."""
-        dt, d = self.dtype, self.head_dim
+        dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
         vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
 
         qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
-        pv_tiler = (CONSUMER_ROWS, d, self.tile_n)
+        pv_tiler = (CONSUMER_ROWS, dv, self.tile_n)
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.consumers)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, dt, self.kv_stages)
+        sO_one = self._o_smem_layout()
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
         sV_one = cute.slice_(sV_layout, (None, None, 0))
@@ -117,9 +119,9 @@ class FwdSm90:
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (CONSUMER_ROWS, d))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (d, self.tile_n))
+        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (dv, self.tile_n))
         tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), o, sQ_one, (CONSUMER_ROWS, d)
+            cpasync.CopyBulkTensorTileS2GOp(), o, sO_one, (CONSUMER_ROWS, dv)
         )
         self.q_bytes = cute.size_in_bytes(dt, sQ_one) * self.consumers
         self.k_bytes = cute.size_in_bytes(dt, sK_one)
@@ -257,7 +259,8 @@ class FwdSm90:
                 )
             kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
             gK = cute.local_tile(tma_k[None, None, kv_head, batch], (self.tile_n, d), (None, 0))
-            gV = cute.local_tile(tma_v[None, None, kv_head, batch], (d, self.tile_n), (0, None))
+            gV = cute.local_tile(tma_v[None, None, kv_head, batch],
+                                 (self.head_dim_v, self.tile_n), (0, None))
             tKsK, tKgK = cpasync.tma_partition(
                 tma_atom_k, 0, cute.make_layout(1),
                 cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
@@ -308,8 +311,10 @@ class FwdSm90:
     ):
         """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range;
         in segment variants, the plan's visits 0 .. n_end - 1."""
-        d, tile_n = self.head_dim, self.tile_n
+        dv, tile_n = self.head_dim_v, self.tile_n
         sQc = sQ[None, None, c]
+        # O is staged in this consumer's own Q buffer (Dv <= D: it fits), in O's layout.
+        sOc = cute.make_tensor(sQc.iterator, self._o_smem_layout().outer)
         pv_mma = self._pv_mma()
         thr_qk = self._qk_mma().get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
@@ -317,7 +322,7 @@ class FwdSm90:
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         s_shape = thr_qk.partition_shape_C((CONSUMER_ROWS, tile_n))
-        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, d)))
+        acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, dv)))
         acc_o.fill(0.0)
         coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
         softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD)
@@ -326,7 +331,7 @@ class FwdSm90:
         r_p = cute.make_rmem_tensor(thr_qk.make_fragment_C(s_shape).layout, self.dtype)
         tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
         row0 = m_block * self.tile_m + c * CONSUMER_ROWS
-        coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, d))))
+        coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, dv))))
         tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
 
         if n_end > n_begin:
@@ -391,7 +396,7 @@ class FwdSm90:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
         self.epilogue(
-            tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sQc,
+            tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sOc,
             c, tidx, warp, m_block, row0, head, batch, seqlen_q,
         )
 
@@ -432,11 +437,11 @@ class FwdSm90:
     @cute.jit
     def epilogue(
         self,
-        tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sQc,
+        tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sOc,
         c: Int32, tidx: Int32, warp: Int32, m_block: Int32, row0: Int32,
         head: Int32, batch: Int32, seqlen_q: Int32,
     ):
-        d = self.head_dim
+        dv = self.head_dim_v
         inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         softmax.finalize(inv_sum, lse)
@@ -452,17 +457,17 @@ class FwdSm90:
         # O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA.
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
-        wgmma.store_acc(tiled_r2s, r_o, sQc, tidx)
+        wgmma.store_acc(tiled_r2s, r_o, sOc, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
         if warp % 4 == 0:
             gO = cute.local_tile(
-                tma_o[None, None, head, batch], (CONSUMER_ROWS, d),
+                tma_o[None, None, head, batch], (CONSUMER_ROWS, dv),
                 (m_block * self.consumers + c, 0),
             )
             tOsO, tOgO = cpasync.tma_partition(
                 tma_atom_o, 0, cute.make_layout(1),
-                cute.group_modes(sQc, 0, 2), cute.group_modes(gO, 0, 2),
+                cute.group_modes(sOc, 0, 2), cute.group_modes(gO, 0, 2),
             )
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
@@ -495,8 +500,14 @@ class FwdSm90:
     def _pv_mma(self):
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-            (1, 1, 1), (CONSUMER_ROWS, self.head_dim), warpgroup.OperandSource.RMEM,
+            (1, 1, 1), (CONSUMER_ROWS, self.head_dim_v), warpgroup.OperandSource.RMEM,
         )
+
+    def _o_smem_layout(self):
+        """One consumer's O tile (CONSUMER_ROWS, Dv) in shared memory, for the TMA store."""
+        tiler = (CONSUMER_ROWS, self.tile_n, self.head_dim_v)
+        staged = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, tiler, self.dtype, 1)
+        return cute.slice_(staged, (None, None, 0))
 
     @cute.jit
     def _rescale(self, acc, row_scale):

@@ -198,7 +198,7 @@ def test_import_registers_once(monkeypatch):
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     kinds = [entry["kind"] for entry in expected_manifest]
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (40, 40)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (50, 50)
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):
@@ -232,17 +232,21 @@ def test_softcap_lowers_to_the_banded_softcap_kernels(built, kwargs):
         assert text.count("window_left = -1 : i32, window_right = -1 : i32") == 2
 
 
-@pytest.mark.parametrize("d,dv,width", [(80, 80, 96), (32, 32, 64), (192, 128, 256),
-                                        (64, 128, 128)])
-def test_unbuilt_head_dims_run_zero_padded(built, monkeypatch, d, dv, width):
-    # A head_dim without its own kernel runs the smallest built one that holds D and Dv,
-    # with the softmax scale of the true D; forward and backward.
+@pytest.mark.parametrize("d,dv,kd,kdv", [(80, 80, 96, 96), (32, 32, 64, 64),
+                                         (64, 128, 128, 128), (192, 128, 192, 128),
+                                         (160, 96, 192, 128), (192, 192, 256, 256)])
+def test_head_dims_run_the_least_kernel_that_holds_them(built, monkeypatch, d, dv, kd, kdv):
+    # (D, Dv) runs the built (kd, kdv) >= it with the least kd + kdv: its own kernel
+    # when built (192/128), else zero-padded, with the softmax scale of the true D;
+    # forward and backward.
     q, k, v = sds(2, 40, 4, d), sds(2, 24, 4, d), sds(2, 24, 4, dv)
     monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
     assert jax_fa4.supports(q, k, v) == (True, "")
     assert fwd_calls(jax_fa4.attention, q, k, v) == [(False, np.float32(d ** -0.5))]
     text = jax.jit(grad_of_sum(jax_fa4.attention)).trace(q, k, v).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert re.search(rf"@jax_fa4_bwd\(.*tensor<2x40x4x{width}xbf16>", text)
+    operands = (rf"tensor<2x40x4x{kd}xbf16>, tensor<2x24x4x{kd}xbf16>, "
+                rf"tensor<2x24x4x{kdv}xbf16>, tensor<2x40x4x{kdv}xbf16>")
+    assert re.search(rf"@jax_fa4_bwd\(.* : \({operands}", text)
     out = jax.eval_shape(jax_fa4.attention, q, k, v)
     assert out.shape == (2, 40, 4, dv)

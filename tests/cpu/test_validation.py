@@ -98,7 +98,8 @@ def test_cute_without_native_module(monkeypatch):
 @pytest.mark.parametrize("q,k,v,kwargs,match", [
     (sds(2, 16, 4, 320), sds(2, 24, 4, 320), sds(2, 24, 4, 320), {},
      r"no compiled kernel for dtype=bf16 head_dim=320 mask=none; "
-     r"head_dims built for bf16: \[64, 96, 128, 256\] \(smaller ones run zero-padded\)"),
+     r"head_dims built for bf16 \(D or D/Dv\): \[64, 96, 128, 192/128, 256\] "
+     r"\(smaller ones run zero-padded\)"),
     (Q, KV, KV, dict(softmax_scale=-0.1), r"the kernels need softmax_scale > 0; got -0.1"),
     (Q, KV, KV, dict(softmax_scale=0), r"the kernels need softmax_scale > 0; got 0.0"),
     (Q, KV, KV, dict(causal=True), r"no Hopper \(sm_90\) GPU visible to JAX"),

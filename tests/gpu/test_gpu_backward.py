@@ -1,12 +1,12 @@
 """Backward kernel numerics with the rule of KERNELS.md: dq, dk, dv against the
 gradients of the float32 reference, with atomic and with deterministic dq accumulation.
 
-dtype x head_dim x causal x (Sq, Sk) x mode, every combination, at one batch and head
-count (the forward suite covers those; the backward grid is the same per (batch, head)).
-The cotangents of out and of the returned lse are both random, so the lse term of the
-backward is always exercised. Inputs, cotangents and the two reference backwards (float32,
-and the same math in the input dtype) are computed once per (dtype, head_dim, causal, Sq,
-Sk) and serve both modes.
+dtype x head dims (D = Dv, and D 192 / Dv 128) x causal x (Sq, Sk) x mode, every
+combination, at one batch and head count (the forward suite covers those; the backward
+grid is the same per (batch, head)). The cotangents of out and of the returned lse are
+both random, so the lse term of the backward is always exercised. Inputs, cotangents and
+the two reference backwards (float32, and the same math in the input dtype) are computed
+once per (dtype, head dims, causal, Sq, Sk) and serve both modes.
 """
 
 import functools
@@ -22,7 +22,8 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-HEAD_DIMS = (64, 96, 128, 256)
+# (D, Dv); a square one is named and seeded by D alone.
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
 CAUSAL = (False, True)
 # Odd sizes around the tiles (64 query rows, 128 keys), Sq < Sk and Sq > Sk (causal rows
 # that see no key), several key blocks per query tile and query tiles per key block.
@@ -41,14 +42,16 @@ SINGLE_ROW_RTOL = 3.0
 BATCH, HEADS = 2, 3
 
 
-def _case(dtype, head_dim, causal, seqlens, deterministic):
+def _case(dtype, head_dims, causal, seqlens, deterministic):
     sq, sk = seqlens
     mask = "causal" if causal else "full"
     mode = "deterministic" if deterministic else "atomic"
+    d, dv = head_dims
+    dims = f"d{d}" if d == dv else f"d{d}v{dv}"
     # As in the forward suite: `--dist loadgroup` keeps a configuration on one worker.
-    return pytest.param(dtype, head_dim, causal, sq, sk, deterministic,
-                        id=f"{dtype}-d{head_dim}-{mask}-sq{sq}-sk{sk}-{mode}",
-                        marks=pytest.mark.xdist_group(f"bwd-{dtype}-d{head_dim}-{mask}"))
+    return pytest.param(dtype, head_dims, causal, sq, sk, deterministic,
+                        id=f"{dtype}-{dims}-{mask}-sq{sq}-sk{sk}-{mode}",
+                        marks=pytest.mark.xdist_group(f"bwd-{dtype}-{dims}-{mask}"))
 
 
 # The mode varies fastest, so one cached group serves consecutive cases.
@@ -72,21 +75,22 @@ def _blind_rows_zero(dq, blind):
 _GROUP = {}
 
 
-def _group(fa, dtype, head_dim, causal, sq, sk):
+def _group(fa, dtype, head_dims, causal, sq, sk):
     """Inputs, cotangents and their reference gradients; one group kept at a time."""
-    key = (dtype, head_dim, causal, sq, sk)
+    d, dv = head_dims
+    key = (dtype, d if d == dv else head_dims, causal, sq, sk)
     if key not in _GROUP:
         _GROUP.clear()
         seed = zlib.crc32(repr(("bwd", *key)).encode())
-        q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, HEADS, HEADS, head_dim)
+        q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, HEADS, HEADS, d, dv)
         _GROUP[key] = ((q, k, v, dout, dlse),
                        fa.backward_references(q, k, v, dout, dlse, causal=causal))
     return _GROUP[key]
 
 
-@pytest.mark.parametrize("dtype,head_dim,causal,sq,sk,deterministic", CASES)
-def test_backward_matches_reference(fa, dtype, head_dim, causal, sq, sk, deterministic):
-    (q, k, v, dout, dlse), (ref, lp) = _group(fa, dtype, head_dim, causal, sq, sk)
+@pytest.mark.parametrize("dtype,head_dims,causal,sq,sk,deterministic", CASES)
+def test_backward_matches_reference(fa, dtype, head_dims, causal, sq, sk, deterministic):
+    (q, k, v, dout, dlse), (ref, lp) = _group(fa, dtype, head_dims, causal, sq, sk)
     grads = _cute_vjp(q, k, v, dout, dlse, causal=causal, deterministic=deterministic)
     # Causal with Sq > Sk: query rows i < Sq - Sk see no key; their dq is exactly 0.
     blind = max(sq - sk, 0) if causal else 0

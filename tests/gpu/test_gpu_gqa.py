@@ -1,7 +1,7 @@
 """GQA / MQA through the kernels with the rule of KERNELS.md: query heads share key/value
 heads in the forward, and the backward's per-query-head dk, dv partials are summed per
 group. Forward and both backward modes per case, against the float32 reference; with
-head dims that run zero-padded to a built one (80 -> 96, D 192 and Dv 128 -> 256), and
+head dims that run zero-padded to a built one (80 -> 96), D 192 / Dv 128, and
 short query sequences that run pack-GQA (jax_fa4/_pack_gqa.py)."""
 
 import functools
@@ -16,7 +16,7 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 DTYPES = ("bfloat16", "float16")
-# (D, Dv): the built head dims, and 80 and 192 / 128, which run zero-padded (to 96, 256).
+# (D, Dv): the built head dims, and 80, which runs zero-padded to 96.
 HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 128), (256, 256))
 CAUSAL = (False, True)
 # Sq 1, 17 and (at 4 query heads per key/value head) 64 run pack-GQA: the group's query

@@ -51,14 +51,20 @@ def _arrays(kind, seed, sq, sk):
     return ids
 
 
-def _case(dtype, head_dim, case, seqlens):
+# (D, Dv); a square one is named and seeded by D alone.
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
+
+
+def _case(dtype, head_dims, case, seqlens):
     (name, kwargs, kind), (sq, sk) = case, seqlens
-    return pytest.param(dtype, head_dim, kwargs, kind, sq, sk,
-                        id=f"{dtype}-d{head_dim}-{name}-sq{sq}-sk{sk}",
-                        marks=pytest.mark.xdist_group(f"segments-{dtype}-d{head_dim}"))
+    d, dv = head_dims
+    dims = f"d{d}" if d == dv else f"d{d}v{dv}"
+    return pytest.param(dtype, head_dims, kwargs, kind, sq, sk,
+                        id=f"{dtype}-{dims}-{name}-sq{sq}-sk{sk}",
+                        marks=pytest.mark.xdist_group(f"segments-{dtype}-{dims}"))
 
 
-CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 96, 128, 256),
+CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), HEAD_DIMS,
                                               CASES_KW, SEQLENS)]
 
 
@@ -70,11 +76,12 @@ def _cute_vjp(q, k, v, dout, dlse, arrays, static, deterministic):
     return out, lse, vjp((dout, dlse))
 
 
-@pytest.mark.parametrize("dtype,head_dim,static,kind,sq,sk", CASES)
-def test_segments_match_reference(fa, dtype, head_dim, static, kind, sq, sk):
-    seed = zlib.crc32(repr(("segments", dtype, head_dim, sorted(static.items()), kind,
+@pytest.mark.parametrize("dtype,head_dims,static,kind,sq,sk", CASES)
+def test_segments_match_reference(fa, dtype, head_dims, static, kind, sq, sk):
+    key = head_dims[0] if head_dims[0] == head_dims[1] else head_dims
+    seed = zlib.crc32(repr(("segments", dtype, key, sorted(static.items()), kind,
                             sq, sk)).encode())
-    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, *HEADS, head_dim)
+    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, *HEADS, *head_dims)
     arrays = {name: jnp.asarray(x) for name, x in _arrays(kind, seed, sq, sk).items()}
     assert jax_fa4.supports(q, k, v, **static, **arrays) == (True, "")
     mask = {"causal": static.get("causal", False), "window": static.get("window"),

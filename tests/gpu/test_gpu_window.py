@@ -36,14 +36,20 @@ BATCH, HEADS = 2, 3
 CAP_HEADS, CAP_Q_GAIN = (4, 2), 4.0  # softcap cases: GQA, scores ~ N(0, 16)
 
 
-def _case(dtype, head_dim, band, seqlens):
+# (D, Dv); a square one is named and seeded by D alone.
+HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
+
+
+def _case(dtype, head_dims, band, seqlens):
     (name, kwargs), (sq, sk) = band, seqlens
-    return pytest.param(dtype, head_dim, kwargs, sq, sk,
-                        id=f"{dtype}-d{head_dim}-{name}-sq{sq}-sk{sk}",
-                        marks=pytest.mark.xdist_group(f"window-{dtype}-d{head_dim}"))
+    d, dv = head_dims
+    dims = f"d{d}" if d == dv else f"d{d}v{dv}"
+    return pytest.param(dtype, head_dims, kwargs, sq, sk,
+                        id=f"{dtype}-{dims}-{name}-sq{sq}-sk{sk}",
+                        marks=pytest.mark.xdist_group(f"window-{dtype}-{dims}"))
 
 
-CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), (64, 96, 128, 256),
+CASES = [_case(*c) for c in itertools.product(("bfloat16", "float16"), HEAD_DIMS,
                                               BANDS, SEQLENS)]
 
 
@@ -55,12 +61,13 @@ def _cute_vjp(q, k, v, dout, dlse, band, deterministic):
     return out, lse, vjp((dout, dlse))
 
 
-@pytest.mark.parametrize("dtype,head_dim,band,sq,sk", CASES)
-def test_band_matches_reference(fa, dtype, head_dim, band, sq, sk):
-    seed = zlib.crc32(repr(("window", dtype, head_dim, sorted(band.items()), sq, sk)).encode())
+@pytest.mark.parametrize("dtype,head_dims,band,sq,sk", CASES)
+def test_band_matches_reference(fa, dtype, head_dims, band, sq, sk):
+    key = head_dims[0] if head_dims[0] == head_dims[1] else head_dims
+    seed = zlib.crc32(repr(("window", dtype, key, sorted(band.items()), sq, sk)).encode())
     softcap = band.get("softcap")
     heads = CAP_HEADS if softcap else (HEADS, HEADS)
-    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, *heads, head_dim)
+    q, k, v, dout, dlse = fa.problem(seed, dtype, BATCH, sq, sk, *heads, *head_dims)
     if softcap:
         q = q * CAP_Q_GAIN
     mask = {"causal": band.get("causal", False), "window": band.get("window"),
