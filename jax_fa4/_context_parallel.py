@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4._api import attention
-from jax_fa4._ring import chunk_pair, hop, merge, unseen
+from jax_fa4._ring import Cut, chunk_pair, hop, merge, unseen
 from jax_fa4._sharding import vary_like
 from jax_fa4._spec import _band
 
@@ -70,7 +70,10 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
         return out.astype(jnp.float32), lse
 
     def run(lo, hi, q, k, v, q_seg, kv_seg):
-        return _banded_pair(lo, hi, attend, q, k, v, q_seg, kv_seg)
+        cut = Cut.of(lo, hi)
+        part = attend(cut.run_rows(q), cut.run_keys(k), cut.run_keys(v), cut.window,
+                      cut.run_rows(q_seg), cut.run_keys(kv_seg))
+        return cut.with_unseen(part, q, k, v)
 
     def hidden(q, k, v, q_seg, kv_seg):
         return vary_like((q, k, v), unseen(q, v))
@@ -100,26 +103,6 @@ def _global_band(causal, window):
     """(left, right) of the band over global positions, validated like `attention`'s."""
     spec_causal, left, right = _band(causal, window)
     return left, 0 if spec_causal else right
-
-
-def _banded_pair(lo, hi, attend, q, k, v, q_seg, kv_seg):
-    """attend(q, k, v, window, q_seg, kv_seg) (top-left aligned) over the pairs with
-    lo <= j - i <= hi (static bounds, None: unbounded). A band that misses the diagonal
-    is moved onto it by dropping the keys no query sees (lo > 0) or the queries that
-    see no key (hi < 0), so the window handed on is never negative."""
-    if lo is not None and lo > 0:
-        k, v = k[:, lo:], v[:, lo:]
-        kv_seg = None if kv_seg is None else kv_seg[:, lo:]
-        return attend(q, k, v, (0, None if hi is None else hi - lo), q_seg, kv_seg)
-    if hi is not None and hi < 0:
-        skip = -hi
-        out, lse = attend(q[:, skip:], k, v, (None if lo is None else hi - lo, 0),
-                          None if q_seg is None else q_seg[:, skip:], kv_seg)
-        none_out, none_lse = vary_like((q, k, v), unseen(q[:, :skip], v))
-        return (jnp.concatenate([none_out, out], axis=1),
-                jnp.concatenate([none_lse, lse], axis=2))
-    window = None if (lo, hi) == (None, None) else (None if lo is None else -lo, hi)
-    return attend(q, k, v, window, q_seg, kv_seg)
 
 
 def zigzag(x, n: int, axis: int = 1):

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4 import _segment_plan
+from jax_fa4._sharding import vary_like
 
 
 def chunk_pair(band, length, chunks, q_chunk, kv_chunk, run, nothing, *args):
@@ -41,6 +42,53 @@ def chunk_pair(band, length, chunks, q_chunk, kv_chunk, run, nothing, *args):
         return branches[0](*args)
     which = jnp.asarray(index, jnp.int32)[kv_chunk - q_chunk + chunks - 1]
     return lax.switch(which, branches, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class Cut:
+    """How one chunk pair runs its band lo <= j - i <= hi (`chunk_pair`'s): as `window`
+    (left, right), top-left aligned (None: no band), over the pair's queries from `rows`
+    on and its keys from `keys` on. A band that misses the diagonal is moved onto it by
+    dropping the keys no query sees (lo > 0) or the queries that see no key (hi < 0), so
+    neither side of the window is negative, as the kernels need."""
+
+    rows: int
+    keys: int
+    window: tuple[int | None, int | None] | None
+
+    @staticmethod
+    def of(lo, hi) -> Cut:
+        if lo is not None and lo > 0:
+            return Cut(0, lo, (0, None if hi is None else hi - lo))
+        if hi is not None and hi < 0:
+            return Cut(-hi, 0, (None if lo is None else hi - lo, 0))
+        if (lo, hi) == (None, None):
+            return Cut(0, 0, None)
+        return Cut(0, 0, (None if lo is None else -lo, hi))
+
+    def run_rows(self, x, axis=1):
+        """The rows of x (the pair's queries along `axis`) that the pair runs."""
+        return _after(x, self.rows, axis)
+
+    def run_keys(self, x):
+        """The keys of x (the pair's keys along axis 1) that the pair runs."""
+        return _after(x, self.keys, 1)
+
+    def with_unseen(self, part, q, k, v):
+        """part (out, lse) of the rows the pair ran, with the rows it dropped in front:
+        they saw no key (`unseen`)."""
+        if not self.rows:
+            return part
+        out, lse = vary_like((q, k, v), unseen(q[:, :self.rows], v))
+        return (jnp.concatenate([out, part[0]], axis=1),
+                jnp.concatenate([lse, part[1]], axis=2))
+
+
+def _after(x, count, axis):
+    """x from index `count` on along `axis`; None stays None."""
+    if x is None or not count:
+        return x
+    return lax.slice_in_dim(x, count, x.shape[axis], axis=axis)
 
 
 def unseen(q, v):

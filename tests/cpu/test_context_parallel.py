@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fa4
 from jax_fa4 import ring_attention, unzigzag, zigzag
-from jax_fa4._ring import chunk_pair
+from jax_fa4._ring import Cut, chunk_pair
 
 N = 4
 SEQ = P(None, "seq", None, None)
@@ -162,6 +162,18 @@ def test_chunk_pairs_outside_the_band_are_skipped():
     assert got == [[0, 0], [7, 99], [-5, 0], [0, 0]]
     # No band: one branch, every pair whole.
     assert chunk_pair((None, None), 12, 4, 2, 3, run, nothing).tolist() == [-99, 99]
+
+
+def test_cut_moves_a_band_onto_the_diagonal():
+    # Keys 0..2 of the pair are seen by no query (j - i >= 3): dropped, and the band
+    # starts on the diagonal. Queries 0..1 see no key (j - i <= -2): dropped, and the
+    # band ends on it. A band through the diagonal runs whole.
+    assert Cut.of(3, None) == Cut(0, 3, (0, None))
+    assert Cut.of(3, 7) == Cut(0, 3, (0, 4))
+    assert Cut.of(None, -2) == Cut(2, 0, (None, 0))
+    assert Cut.of(-6, -2) == Cut(2, 0, (4, 0))
+    assert Cut.of(-5, 3) == Cut(0, 0, (5, 3))
+    assert Cut.of(None, None) == Cut(0, 0, None)
 
 
 def test_ring_kernel_path(built, mesh):
