@@ -83,12 +83,22 @@ class Cut:
         return (jnp.concatenate([out, part[0]], axis=1),
                 jnp.concatenate([lse, part[1]], axis=2))
 
+    def with_zeros(self, dq, dk, dv):
+        """Gradients of the rows and keys the pair ran, with zeros in front for those it
+        dropped: they took no part in it."""
+        pad = _zeros_before
+        return pad(dq, self.rows), pad(dk, self.keys), pad(dv, self.keys)
+
 
 def _after(x, count, axis):
     """x from index `count` on along `axis`; None stays None."""
     if x is None or not count:
         return x
     return lax.slice_in_dim(x, count, x.shape[axis], axis=axis)
+
+
+def _zeros_before(x, count):
+    return jnp.pad(x, [(0, 0), (count, 0)] + [(0, 0)] * (x.ndim - 2))
 
 
 def unseen(q, v):
@@ -115,13 +125,11 @@ def merge(a, b):
 def ring_forward(attend, spec, axis_name, q, k, v):
     """The automatic path's forward on one device of a sequence-sharded `jit`: q, k, v
     hold this device's contiguous chunks of the `axis_name`-sharded sequence;
-    attend(spec, q, k, v) -> (out, lse) runs one chunk pair (the kernel call). Returns
-    this device's (out, lse), merged over the ring. Causal rings run in the zigzag
-    layout (`_zigzag_parts`), balanced, and hand back contiguous chunks."""
-    def run(_, hi, q, k, v):  # causal or not: (lo, hi) is (None, 0) or (None, None)
-        out, lse = attend(dataclasses.replace(spec, causal=hi == 0), q, k, v)
-        return out.astype(jnp.float32), lse
-
+    attend(spec, q, k, v) -> (out, lse) runs one chunk pair (the kernel call) with the
+    pair's band (`Cut`). Returns this device's (out, lse), merged over the ring. Rings
+    whose work is uneven along the sequence run in the zigzag layout (`_Layout`),
+    balanced, and hand back contiguous chunks."""
+    run = functools.partial(_pair_forward, attend, spec)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     layout = _Layout.of(spec, axis_name, n, q)
     q_parts, k, v = (layout.parts(x, 1) for x in (q, k, v))
@@ -159,16 +167,10 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
         for j, c in enumerate(layout.chunks((me - step) % n)):
             for i, a in enumerate(layout.chunks(me)):
-                qi, oi, doi, li, dli = q_rows[i]
+                def nothing(k, v, q=q_rows[i][0]):
+                    return zeros(q), zeros(k), zeros(v)
 
-                def run(_, hi, k, v, qi=qi, oi=oi, doi=doi, li=li, dli=dli):
-                    grads = differentiate(dataclasses.replace(spec, causal=hi == 0), qi, k,
-                                          v, oi, doi, li, dli)
-                    return tuple(g.astype(jnp.float32) for g in grads)
-
-                def nothing(k, v, qi=qi):
-                    return zeros(qi), zeros(k), zeros(v)
-
+                run = functools.partial(_pair_backward, differentiate, spec, q_rows[i])
                 parts = chunk_pair(_band(spec), layout.length, layout.total, a, c, run,
                                    nothing, k[j], v[j])
                 dq[i], dk[j], dv[j] = dq[i] + parts[0], dk[j] + parts[1], dv[j] + parts[2]
@@ -176,6 +178,26 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     return (layout.whole([g.astype(q.dtype) for g in dq], 1),
             layout.whole([g.astype(k[0].dtype) for g in dk], 1),
             layout.whole([g.astype(v[0].dtype) for g in dv], 1))
+
+
+def _pair_forward(attend, spec, lo, hi, q, k, v):
+    """`ring_forward`'s chunk pair with band lo <= j - i <= hi: (out fp32, lse)."""
+    cut = Cut.of(lo, hi)
+    out, lse = attend(spec.with_top_left_window(cut.window), cut.run_rows(q),
+                      cut.run_keys(k), cut.run_keys(v))
+    return cut.with_unseen((out.astype(jnp.float32), lse), q, k, v)
+
+
+def _pair_backward(differentiate, spec, rows, lo, hi, k, v):
+    """`ring_backward`'s chunk pair with band lo <= j - i <= hi, on the same rows and
+    keys as the forward's: rows (q, out, dout, lse, dlse) of the query part -> (dq, dk,
+    dv) fp32."""
+    cut = Cut.of(lo, hi)
+    q, out, dout, lse, dlse = ([cut.run_rows(x) for x in rows[:3]]
+                               + [cut.run_rows(x, 2) for x in rows[3:]])
+    grads = differentiate(spec.with_top_left_window(cut.window), q, cut.run_keys(k),
+                          cut.run_keys(v), out, dout, lse, dlse)
+    return cut.with_zeros(*(g.astype(jnp.float32) for g in grads))
 
 
 def segment_ring_forward(attend, spec, axis_name, q, k, v, rows, keys):
@@ -216,11 +238,20 @@ def segment_ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, ls
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """How the automatic ring lays out one device's contiguous chunk r of n. Causal work
-    grows with the chunk's position, so a causal ring splits each chunk in halves and
-    trades them (two ppermutes) until device r holds halves r and 2n-1-r of the 2n: the
-    zigzag layout, where every device has the same work. Without a mask, or with an odd
-    local length, the chunk stays whole."""
+    """How the automatic ring lays out one device's contiguous chunk r of n.
+
+    A query's work is the keys it sees. Where that grows or shrinks along the sequence,
+    contiguous chunks would leave the devices at one end most of it, so the ring splits
+    each chunk in halves and trades them (two ppermutes) until device r holds halves r
+    and 2n-1-r of the 2n: the zigzag layout, an early half and a late one on each
+    device. That evens out a band open on one side only (causal: query p sees p + 1
+    keys, so mirrored positions p and S-1-p see S + 1 together) and a causal window
+    (left, 0), whose work grows over the first `left` positions: the causal case, as far
+    as the window is wide next to the sequence. Other windows (bounded on both sides,
+    right side above 0: bidirectional local attention) give every query about
+    left + right + 1 keys but near both ends, as even as no mask: their chunks stay
+    whole, one kernel call per chunk pair instead of four and no trades. So do chunks
+    of odd length."""
 
     axis_name: str
     n: int
@@ -229,7 +260,9 @@ class _Layout:
 
     @staticmethod
     def of(spec, axis_name, n, q):
-        zigzag = spec.causal and n > 1 and q.shape[1] % 2 == 0
+        left, right = _band(spec)
+        uneven = right == 0 or (left is None) != (right is None)
+        zigzag = uneven and n > 1 and q.shape[1] % 2 == 0
         return _Layout(axis_name, n, zigzag, q.shape[1] // 2 if zigzag else q.shape[1])
 
     @property
@@ -274,9 +307,10 @@ class _Layout:
 
 
 def _band(spec):
-    """The automatic path's band: causal or none (_sharding refuses windows over a
-    sharded sequence)."""
-    return (None, 0) if spec.causal else (None, None)
+    """The automatic path's global band (left, right), causal as right = 0 (`chunk_pair`'s
+    form). Positions are global indices of query and key alike: `_sharding` refuses a
+    band over query and key sequences of different lengths."""
+    return spec.window_left, 0 if spec.causal else spec.window_right
 
 
 def hop(values, axis_name, n):

@@ -185,10 +185,9 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
     refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
-    sequence without a ring, windows and causal rings over query and key sequences of
-    different lengths over a sharded sequence (but for the segment ring), and a head
-    sharding that does not split the key/value heads (the second operand) into whole
-    groups."""
+    sequence without a ring, a causal or windowed band ring over query and key sequences
+    of different lengths (the segment ring takes any), and a head sharding that does not
+    split the key/value heads (the second operand) into whole groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
@@ -215,15 +214,14 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
             "inside jax.shard_map.")
     # The segment ring takes any band and lengths: they are in the rows, in global indices.
     band_ring = seq is not None and "rows" not in signature.operands
-    if band_ring and spec.window != (None, None):
+    banded = spec.causal or spec.window != (None, None)
+    if band_ring and banded and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
         raise NotImplementedError(
-            f"jax_fa4.attention: a window over a sequence sharded along {seq!r} is not "
-            "partitioned automatically; call jax_fa4.ring_attention(..., window=...) inside "
-            "jax.shard_map, which skips the chunk pairs outside the window.")
-    if band_ring and spec.causal and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
-        raise NotImplementedError(
-            "jax_fa4.attention: causal attention over a sharded sequence needs queries and "
-            f"keys of one length (got {arg_shapes[0].shape[1]} and {arg_shapes[1].shape[1]}).")
+            "jax_fa4.attention: causal or windowed attention over a sharded sequence needs "
+            f"queries and keys of one length (got {arg_shapes[0].shape[1]} and "
+            f"{arg_shapes[1].shape[1]}): the ring reads the band in global positions, "
+            "shared by both. With kv_lengths (or q_lengths) it runs the segment ring, "
+            "which takes any lengths.")
     if heads is not None and arg_shapes[1].shape[2] % _axes_size(mesh, heads):
         raise NotImplementedError(
             f"jax_fa4.attention: the heads are sharded {_axes_size(mesh, heads)} ways "

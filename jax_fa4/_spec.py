@@ -150,6 +150,16 @@ class AttentionSpec:
     def with_path(self, path: str) -> AttentionSpec:
         return dataclasses.replace(self, path=path)
 
+    def with_top_left_window(self, window) -> AttentionSpec:
+        """This spec with the band `window` (left, right), top-left aligned, in place of
+        its own (None: no band), in `_build`'s canonical form: the local band of one
+        chunk pair of the automatic ring (`_ring.Cut`), where query and key chunks start
+        at the pair's own first positions."""
+        causal, left, right = _band(False, window)
+        banded = causal or (left, right) != (None, None)
+        return dataclasses.replace(self, causal=causal, window_left=left, window_right=right,
+                                   alignment="top_left" if banded else "bottom_right")
+
     @property
     def segments(self) -> bool:
         """Whether the call carries the segment kernels' per-row arrays (rows, keys of

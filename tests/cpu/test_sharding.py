@@ -41,9 +41,9 @@ def inputs(b=8, sq=24, sk=40, h=8, d=64, dtype=jnp.bfloat16, seed=0):
     return q, k, v, dout
 
 
-def loss_and_grads(q, k, v, dout, causal):
+def loss_and_grads(q, k, v, dout, causal, **options):
     def loss(q, k, v):
-        out, lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True)
+        out, lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True, **options)
         return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
 
     return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -76,10 +76,11 @@ def scalar_all_reduces(text) -> bool:
     return all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced)
 
 
-def assert_step_matches(step, causal, args, *, value_rtol, grad_atol):
+def assert_step_matches(step, causal, args, *, value_rtol, grad_atol, **options):
     """The sharded loss_and_grads `step` equals the unsharded one."""
     value, grads = step(*args)
-    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal))(*args)
+    ref_value, ref_grads = jax.jit(functools.partial(loss_and_grads, causal=causal,
+                                                     **options))(*args)
     np.testing.assert_allclose(value, ref_value, rtol=value_rtol)
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
@@ -165,21 +166,65 @@ def test_sequence_sharded_unlike_q_is_refused(built, mesh):
         fwd.lower(q, k, v).compile()
 
 
-def test_causal_ring_needs_equal_lengths(built, mesh):
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (4, 4)}],
+                         ids=["causal", "window"])
+def test_banded_ring_needs_equal_lengths(built, mesh, options):
+    # The band ring reads the band in global positions, one for queries and keys.
     q, k, v, _ = inputs()  # Sq 24, Sk 40
     shard = NamedSharding(mesh, P(None, "data", None, None))
-    fwd = jax.jit(functools.partial(jax_fa4.attention, causal=True), in_shardings=(shard,) * 3)
+    fwd = jax.jit(functools.partial(jax_fa4.attention, **options), in_shardings=(shard,) * 3)
     with pytest.raises(Exception, match="needs queries and keys of one length"):
         fwd.lower(q, k, v).compile()
 
 
-def test_window_over_a_sharded_sequence_is_refused(built, mesh):
-    q, k, v, _ = inputs(sk=24)
-    shard = NamedSharding(mesh, P(None, "data", None, None))
-    fwd = jax.jit(functools.partial(jax_fa4.attention, window=(4, 0)),
-                  in_shardings=(shard,) * 3)
-    with pytest.raises(Exception, match="ring_attention"):
-        fwd.lower(q, k, v).compile()
+# Windows over a sequence of 24 sharded 4 ways, chunks of 6: name -> (options, key/value
+# heads, whether the ring runs in zigzag halves of 3). Every window is narrower than
+# the sequence: pairs of chunks far apart are skipped, and the pairs a window cuts run
+# their visible rows and keys (queries dropped below the diagonal, keys above it).
+WINDOW_RINGS = {
+    "window": ({"window": (5, 3)}, 8, False),
+    "causal-window": ({"causal": True, "window": (7, 0)}, 8, True),
+    "one-sided": ({"window": (None, 2)}, 8, True),
+    "softcap-sinks": ({"window": (1, 1), "softcap": 3.0, "sinks": True}, 8, False),
+    "gqa": ({"causal": True, "window": (4, 0)}, 2, True),
+}
+
+
+@pytest.mark.parametrize("name", WINDOW_RINGS)
+def test_windowed_sequence_sharding_runs_the_ring(built, mesh, name):
+    from jax_fa4 import _ring
+
+    options, heads_kv, zigzag = WINDOW_RINGS[name]
+    options = dict(options)
+    causal = options.pop("causal", False)
+    if options.pop("sinks", False):
+        options["sinks"] = jnp.linspace(-1.0, 1.0, 8, dtype=jnp.float32)
+    q, k, v, dout = inputs(sk=24)
+    k, v = k[:, :, :heads_kv], v[:, :, :heads_kv]
+    spec = _api._plan(q, k, v, causal=causal, softmax_scale=None, return_lse=True,
+                      implementation=None, **options)
+    assert spec.path == "platform", spec
+    chunk = jax.ShapeDtypeStruct((8, 6, 8, 64), q.dtype)
+    assert _ring._Layout.of(spec, "model", 4, chunk).zigzag == zigzag
+    shard = NamedSharding(mesh, P("data", "model", None, None))
+    step = jax.jit(functools.partial(loss_and_grads, causal=causal, **options),
+                   in_shardings=(shard,) * 4)
+    fwd = jax.jit(functools.partial(jax_fa4.attention, causal=causal, return_lse=True,
+                                    **options), in_shardings=(shard,) * 3)
+    for fn, args in ((fwd, (q, k, v)), (step, (q, k, v, dout))):
+        found = set(COLLECTIVES.findall(compiled_text(fn, *args)))
+        assert "collective-permute" in found, found
+        assert found <= {"collective-permute", "all-reduce"}, found
+    assert scalar_all_reduces(compiled_text(step, q, k, v, dout))
+    out, lse = fwd(q, k, v)
+    assert out.sharding.is_equivalent_to(shard, 4)
+    ref_out, ref_lse = jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
+                                         implementation="reference", **options)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    assert_step_matches(step, causal, (q, k, v, dout), value_rtol=3e-4, grad_atol=3e-2,
+                        **options)
 
 
 def test_backward_refuses_head_dim_sharding(built, mesh):
