@@ -35,9 +35,10 @@ def _inputs(fa, b, s, hq, hkv, d, seed=0):
     return fa.problem(seed, jnp.bfloat16, b, s, s, hq, hkv, d)
 
 
-def _vjp(causal, deterministic=True):
+def _vjp(causal, deterministic=True, window=None):
     attn = functools.partial(jax_fa4.attention, causal=causal, return_lse=True,
-                             implementation="cute", deterministic=deterministic)
+                             implementation="cute", deterministic=deterministic,
+                             window=window)
 
     def run(q, k, v, dout, dlse):
         (out, lse), pullback = jax.vjp(attn, q, k, v)
@@ -100,6 +101,28 @@ def test_sequence_sharded_jit_runs_the_ring(fa, gpus, causal):
     out, lse, *grads = jax.device_get(fn(*placed))
     fa.assert_attention("ring", out, lse, q, k, v, causal=causal)
     fa.assert_gradients("ring", grads, q, k, v, dout, dlse, causal=causal)
+
+
+@pytest.mark.parametrize("causal,window", [(False, (300, 100)), (True, (700, 0))],
+                         ids=["window", "causal-window"])
+def test_sequence_sharded_jit_runs_the_window_ring(fa, gpus, causal, window):
+    # Chunks of 512 (zigzag halves of 256 for the causal window): the band ring skips
+    # the chunk pairs outside the window and runs those it cuts as top-left windows
+    # over their visible rows and keys.
+    n = len(gpus)
+    mesh = Mesh(np.array(gpus), ("s",))
+    q, k, v, dout, dlse = _inputs(fa, 2, 512 * n, 8, 2, 128)
+    seq = NamedSharding(mesh, P(None, "s", None, None))
+    rows = NamedSharding(mesh, P(None, None, "s"))
+    shardings = (seq, seq, seq, seq, rows)
+    fn = jax.jit(_vjp(causal, deterministic=False, window=window), in_shardings=shardings,
+                 out_shardings=(seq, rows, seq, seq, seq))
+    placed = [jax.device_put(x, s) for x, s in zip((q, k, v, dout, dlse), shardings)]
+    assert _crossing(fn.lower(*placed).compile().as_text()) == {"collective-permute"}
+    out, lse, *grads = jax.device_get(fn(*placed))
+    fa.assert_attention("window ring", out, lse, q, k, v, causal=causal, window=window)
+    fa.assert_gradients("window ring", grads, q, k, v, dout, dlse, causal=causal,
+                        window=window)
 
 
 @pytest.mark.parametrize("static", [{"causal": True}, {"window": (300, 100)}],
