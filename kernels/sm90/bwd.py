@@ -428,7 +428,7 @@ class BwdSm90:
             seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
                             mPlan[batch, n_block, None], seqlen_q,
                             cute.ceil_div(seqlen_q, self.tile_m))
-            m_begin, m_end = Int32(0), seg.plan_row[0]
+            m_begin, m_end = Int32(0), seg.count
         # GQA/MQA: this CTA's K/V block serves the query heads [head0, head0 + group),
         # visited one after the other, so dK and dV sum over the group in registers.
         group = tma_q.shape[2] // tma_k.shape[2]

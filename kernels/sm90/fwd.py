@@ -204,7 +204,7 @@ class FwdSm90:
             # The plan's blocks replace the band's: visits 0 .. count - 1.
             seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
                             mPlan[batch, m_block, None], seqlen_q)
-            n_begin, n_end = Int32(0), seg.plan_row[0]
+            n_begin, n_end = Int32(0), seg.count
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -272,7 +272,7 @@ class FwdSm90:
             # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
             # K runs one block ahead of V.
             visits = n_end - n_begin
-            k_block = self._kv_block(0, n_end, seg)
+            k_block, _ = self._first_block(n_end, seg)
             k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, k_block], tKsK)
             for i in cutlass.range(1, visits, unroll=1):
                 v_block = k_block
@@ -280,6 +280,15 @@ class FwdSm90:
                 k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, k_block], tKsK)
                 v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, v_block], tVsV)
             v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, k_block], tVsV)
+
+    @cute.jit
+    def _first_block(self, n_end: Int32, seg):
+        """(key block, masked) of visit 0: the last block, which the band may cut, or
+        the plan's first entry and its flag."""
+        block, masked = n_end - 1, Int32(1)
+        if cutlass.const_expr(self.segments):
+            block, masked = segments.decode(seg.first)
+        return block, masked
 
     @cute.jit
     def _kv_block(self, i: Int32, n_end: Int32, seg):
@@ -340,7 +349,7 @@ class FwdSm90:
             cute.arch.mbarrier_wait(q_full, 0)
 
             # First visited block: S and softmax only; its PV runs in the next step.
-            n_last = self._kv_block(0, n_end, seg)
+            n_last, first_masked = self._first_block(n_end, seg)
             acc_s = thr_qk.make_fragment_C(s_shape)
             k_handle = k_consumer.wait_and_advance()
             self._wait_turn(c)
@@ -351,7 +360,8 @@ class FwdSm90:
             s_rc = rows_cols(acc_s)
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
-            self._mask(s_rc, coord_s, row0, n_last, seqlen_k, band_lo, band_hi, seg, 1)
+            self._mask(s_rc, coord_s, row0, n_last, seqlen_k, band_lo, band_hi, seg,
+                       first_masked)
             softmax.step(s_rc, o_scale)
             r_p.store(acc_s.load().to(self.dtype))
 

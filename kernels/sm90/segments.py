@@ -28,18 +28,27 @@ KEY_BEGIN, KEY_END, SEGMENT = 0, 1, 2
 
 class Views:
     """One CTA's views of its batch: rows (3, Sq), keys (Sk,), its tile's plan row, Sq,
-    and (backward) the number of query tiles, where the plan row's turns start."""
+    and (backward) the number of query tiles, where the plan row's turns start. The
+    plan's count and first entry are read up front, together: the first loads of a
+    CTA wait for both."""
 
     def __init__(self, rows, keys, plan_row, seqlen_q, q_tiles=None):
         self.rows, self.keys, self.plan_row = rows, keys, plan_row
         self.seqlen_q, self.q_tiles = seqlen_q, q_tiles
+        # Every plan row has its count and at least one entry (Sk >= 1: one block).
+        self.count, self.first = plan_row[0], plan_row[1]
+
+
+@cute.jit
+def decode(entry: Int32):
+    """(block, masked) of a plan entry."""
+    return entry >> 1, entry & 1
 
 
 @cute.jit
 def visit(plan_row: cute.Tensor, i: Int32):
     """(block, masked) of visit i of a tile, from its plan row."""
-    entry = plan_row[1 + i]
-    return entry >> 1, entry & 1
+    return decode(plan_row[1 + i])
 
 
 @cute.jit
