@@ -131,7 +131,7 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     balanced, and hand back contiguous chunks."""
     run = functools.partial(_pair_forward, attend, spec)
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    layout = _Layout.of(spec, axis_name, n, q)
+    layout = _Layout.of(spec, axis_name, n, q, k)
     q_parts, k, v = (layout.parts(x, 1) for x in (q, k, v))
     acc = [None] * len(q_parts)
     for step in range(n):
@@ -151,24 +151,18 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     -> (dq, dk, dv) runs the FlashAttention backward of one chunk pair from the global
     out and lse (so P and D are the whole sequence's); in the forward's layout."""
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    layout = _Layout.of(spec, axis_name, n, q)
-    rows = [layout.parts(x, 1) for x in (q, out, dout)] + [layout.parts(x, 2)
-                                                            for x in (lse, dlse)]
-    q_rows = list(zip(*rows))  # per query part: (q, out, dout, lse, dlse)
+    layout = _Layout.of(spec, axis_name, n, q, k)
+    q_rows = _query_parts(layout, q, out, dout, lse, dlse)
     k, v = layout.parts(k, 1), layout.parts(v, 1)
-
-    def zeros(x):
-        return jnp.zeros(x.shape, jnp.float32)
-
-    dq = [zeros(r[0]) for r in q_rows]
-    dk, dv = [zeros(x) for x in k], [zeros(x) for x in v]
+    dq = [_zeros(r[0]) for r in q_rows]
+    dk, dv = [_zeros(x) for x in k], [_zeros(x) for x in v]
     for step in range(n):
         if step:
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
         for j, c in enumerate(layout.chunks((me - step) % n)):
             for i, a in enumerate(layout.chunks(me)):
                 def nothing(k, v, q=q_rows[i][0]):
-                    return zeros(q), zeros(k), zeros(v)
+                    return _zeros(q), _zeros(k), _zeros(v)
 
                 run = functools.partial(_pair_backward, differentiate, spec, q_rows[i])
                 parts = chunk_pair(_band(spec), layout.length, layout.total, a, c, run,
@@ -236,6 +230,18 @@ def segment_ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, ls
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
+def _query_parts(layout, q, out, dout, lse, dlse):
+    """Per query part of `layout`: its (q, out, dout, lse, dlse), each split along its
+    sequence axis (2 for the row statistics)."""
+    arrays = [layout.parts(x, 1) for x in (q, out, dout)]
+    arrays += [layout.parts(x, 2) for x in (lse, dlse)]
+    return list(zip(*arrays))
+
+
+def _zeros(x):
+    return jnp.zeros(x.shape, jnp.float32)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Layout:
     """How the automatic ring lays out one device's contiguous chunk r of n.
@@ -251,7 +257,8 @@ class _Layout:
     right side above 0: bidirectional local attention) give every query about
     left + right + 1 keys but near both ends, as even as no mask: their chunks stay
     whole, one kernel call per chunk pair instead of four and no trades. So do chunks
-    of odd length."""
+    of odd length, and query and key chunks of different lengths: `length` is one
+    part's, of queries and keys alike."""
 
     axis_name: str
     n: int
@@ -259,10 +266,11 @@ class _Layout:
     length: int  # of one part
 
     @staticmethod
-    def of(spec, axis_name, n, q):
+    def of(spec, axis_name, n, q, k):
+        """The layout of q's and k's chunks (sequence along axis 1)."""
         left, right = _band(spec)
         uneven = right == 0 or (left is None) != (right is None)
-        zigzag = uneven and n > 1 and q.shape[1] % 2 == 0
+        zigzag = uneven and n > 1 and q.shape[1] == k.shape[1] and q.shape[1] % 2 == 0
         return _Layout(axis_name, n, zigzag, q.shape[1] // 2 if zigzag else q.shape[1])
 
     @property

@@ -205,7 +205,7 @@ def test_windowed_sequence_sharding_runs_the_ring(built, mesh, name):
                       implementation=None, **options)
     assert spec.path == "platform", spec
     chunk = jax.ShapeDtypeStruct((8, 6, 8, 64), q.dtype)
-    assert _ring._Layout.of(spec, "model", 4, chunk).zigzag == zigzag
+    assert _ring._Layout.of(spec, "model", 4, chunk, chunk).zigzag == zigzag
     shard = NamedSharding(mesh, P("data", "model", None, None))
     step = jax.jit(functools.partial(loss_and_grads, causal=causal, **options),
                    in_shardings=(shard,) * 4)
@@ -427,7 +427,7 @@ def test_causal_automatic_ring_trades_halves_into_the_zigzag_layout(mesh):
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=seq, out_specs=(seq, seq))
     def trade(x):
-        layout = _ring._Layout.of(spec, "model", n, x)
+        layout = _ring._Layout.of(spec, "model", n, x, x)
         parts = layout.parts(x, 1)
         return jnp.concatenate(parts, axis=1), layout.whole(parts, 1)
 
