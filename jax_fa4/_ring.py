@@ -1,12 +1,15 @@
 """Ring attention's building blocks, shared by `ring_attention` (inside `shard_map`) and
-the automatic path of a sequence-sharded `jit` (`ring_forward` / `ring_backward`, which
-the partitioner runs per device).
+the automatic path of a sequence-sharded `jit` (`ring_forward` / `ring_backward`, and
+`segment_ring_forward` / `segment_ring_backward` for the segment kernels, which the
+partitioner runs per device).
 
 The sequence is split into n contiguous chunks along a mesh axis, one per device.
 K/V chunks travel around the ring, one hop per step; each device attends its queries
 to the chunk it holds and merges the partial results through their LSE. The backward
 runs the FlashAttention backward of each chunk pair from the global out and lse, and
-the dK/dV accumulators travel with their chunk, taking one last hop home.
+the dK/dV accumulators travel with their chunk, taking one last hop home. Where the
+band makes work uneven along the sequence, the automatic rings first trade chunk
+halves into the zigzag layout (`_Layout`) and run every pair of halves.
 """
 
 from __future__ import annotations
@@ -197,44 +200,65 @@ def _pair_backward(differentiate, spec, rows, lo, hi, k, v):
 def segment_ring_forward(attend, spec, axis_name, q, k, v, rows, keys):
     """`ring_forward` for the segment kernels: rows (B, 3, Sq) hold this device's query
     rows' key ranges in global key indices and keys (B, Sk) this device's key ids, which
-    travel with K/V. Each step runs attend(spec, q, k, v, rows, keys) on the rows cut to
-    the chunk at hand; the band is in the rows, so any band and lengths work, and blocks
-    a row cannot see are skipped by the plan. The chunks stay contiguous (no zigzag)."""
+    travel with K/V. Each step runs attend(spec, q, k, v, rows, keys) per query part and
+    key part on the rows cut to that key part (`_cut_rows`); the band is in the rows, so
+    any band and lengths work, and blocks a row cannot see are skipped by the plan. The
+    layout is the band ring's (`_Layout`): zigzag halves where the band makes work
+    uneven, contiguous chunks otherwise."""
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    length = k.shape[1]
-    acc = None
+    layout = _Layout.of(spec, axis_name, n, q, k)
+    q_parts, row_parts = layout.parts(q, 1), layout.parts(rows, 2)
+    k, v, keys = (layout.parts(x, 1) for x in (k, v, keys))
+    acc = [None] * len(q_parts)
     for step in range(n):
         if step:
             k, v, keys = hop((k, v, keys), axis_name, n)
-        local = _segment_plan.chunk_rows(rows, (me - step) % n * length, length)
-        out, lse = attend(spec, q, k, v, local, keys)
-        part = out.astype(jnp.float32), lse
-        acc = part if acc is None else merge(acc, part)
-    return acc[0].astype(q.dtype), acc[1]
+        for k_part, v_part, key_part, c in zip(k, v, keys, layout.chunks((me - step) % n)):
+            for i, (q_part, r) in enumerate(zip(q_parts, row_parts)):
+                out, lse = attend(spec, q_part, k_part, v_part, _cut_rows(r, c, key_part),
+                                  key_part)
+                part = out.astype(jnp.float32), lse
+                acc[i] = part if acc[i] is None else merge(acc[i], part)
+    out = layout.whole([o.astype(q.dtype) for o, _ in acc], 1)
+    return out, layout.whole([lse for _, lse in acc], 2)
 
 
 def segment_ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse,
                           rows, keys):
     """`ring_backward` for the segment kernels (see `segment_ring_forward`)."""
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
-    length = k.shape[1]
-    dq = jnp.zeros(q.shape, jnp.float32)
-    dk, dv = jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32)
+    layout = _Layout.of(spec, axis_name, n, q, k)
+    q_rows = _query_parts(layout, q, out, dout, lse, dlse, rows)
+    k, v, keys = (layout.parts(x, 1) for x in (k, v, keys))
+    dq = [_zeros(r[0]) for r in q_rows]
+    dk, dv = [_zeros(x) for x in k], [_zeros(x) for x in v]
     for step in range(n):
         if step:
             k, v, keys, dk, dv = hop((k, v, keys, dk, dv), axis_name, n)
-        local = _segment_plan.chunk_rows(rows, (me - step) % n * length, length)
-        grads = differentiate(spec, q, k, v, out, dout, lse, dlse, local, keys)
-        dq, dk, dv = (acc + g.astype(jnp.float32) for acc, g in zip((dq, dk, dv), grads))
+        for j, c in enumerate(layout.chunks((me - step) % n)):
+            for i, (q_i, out_i, dout_i, lse_i, dlse_i, r) in enumerate(q_rows):
+                grads = differentiate(spec, q_i, k[j], v[j], out_i, dout_i, lse_i, dlse_i,
+                                      _cut_rows(r, c, keys[j]), keys[j])
+                dq[i], dk[j], dv[j] = (acc + g.astype(jnp.float32)
+                                       for acc, g in zip((dq[i], dk[j], dv[j]), grads))
     dk, dv = hop((dk, dv), axis_name, n)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    return (layout.whole([g.astype(q.dtype) for g in dq], 1),
+            layout.whole([g.astype(k[0].dtype) for g in dk], 1),
+            layout.whole([g.astype(v[0].dtype) for g in dv], 1))
 
 
-def _query_parts(layout, q, out, dout, lse, dlse):
-    """Per query part of `layout`: its (q, out, dout, lse, dlse), each split along its
-    sequence axis (2 for the row statistics)."""
+def _cut_rows(rows, chunk, keys):
+    """rows (global key indices) cut to the key part `keys` (B, length), global part
+    `chunk` of equal parts (traced), in the part's own indices."""
+    length = keys.shape[1]
+    return _segment_plan.chunk_rows(rows, chunk * length, length)
+
+
+def _query_parts(layout, q, out, dout, lse, dlse, *rows):
+    """Per query part of `layout`: its (q, out, dout, lse, dlse, *rows), each split along
+    its sequence axis (2 for the row statistics and the segment rows)."""
     arrays = [layout.parts(x, 1) for x in (q, out, dout)]
-    arrays += [layout.parts(x, 2) for x in (lse, dlse)]
+    arrays += [layout.parts(x, 2) for x in (lse, dlse, *rows)]
     return list(zip(*arrays))
 
 
@@ -244,7 +268,8 @@ def _zeros(x):
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-    """How the automatic ring lays out one device's contiguous chunk r of n.
+    """How the automatic rings (band and segment) lay out one device's contiguous chunk
+    r of n.
 
     A query's work is the keys it sees. Where that grows or shrinks along the sequence,
     contiguous chunks would leave the devices at one end most of it, so the ring splits
@@ -257,8 +282,8 @@ class _Layout:
     right side above 0: bidirectional local attention) give every query about
     left + right + 1 keys but near both ends, as even as no mask: their chunks stay
     whole, one kernel call per chunk pair instead of four and no trades. So do chunks
-    of odd length, and query and key chunks of different lengths: `length` is one
-    part's, of queries and keys alike."""
+    of odd length, and query and key chunks of different lengths (only the segment ring
+    takes those): `length` is one part's, of queries and keys alike."""
 
     axis_name: str
     n: int

@@ -472,50 +472,103 @@ def test_segment_kernels_partition_over_batch_and_heads(built, mesh):
                                    rtol=2e-2, atol=3e-2)
 
 
-@pytest.mark.parametrize("kwargs", [
-    dict(causal=True, segments=True),
-    dict(window=(5, 3), alignment="top_left", q_lengths=True, kv_lengths=True),
-    dict(softcap=2.0, segments=True, kv_lengths=True),
-], ids=["causal-ids", "window-lengths", "softcap-ids-lengths"])
-def test_segment_kernels_ring_over_a_sharded_sequence(built, mesh, kwargs):
+# Segment rings over a query sequence of 24 sharded 4 ways (chunks of 6): name ->
+# (options, Sk, whether the ring runs in zigzag halves of 3). Causal bands over Sq == Sk
+# take the zigzag layout; Sq != Sk and bands bounded on both sides keep contiguous
+# chunks. With bottom-right lengths some rows see keys past their own index.
+SEGMENT_RINGS = {
+    "causal-ids": (dict(causal=True, segments=True), 40, False),
+    "window-lengths": (dict(window=(5, 3), alignment="top_left", q_lengths=True,
+                            kv_lengths=True), 40, False),
+    "softcap-ids-lengths": (dict(softcap=2.0, segments=True, kv_lengths=True), 40, False),
+    "square-causal-ids": (dict(causal=True, segments=True), 24, True),
+    "square-causal-lengths": (dict(causal=True, q_lengths=True, kv_lengths=True), 24, True),
+    "square-causal-window-ids": (dict(causal=True, window=(7, 0), segments=True), 24, True),
+    "square-window-ids": (dict(window=(5, 3), segments=True), 24, False),
+}
+
+
+def segment_ring_permutes(zigzag: bool) -> int:
+    """collective-permutes in the forward segment ring over 4 devices: 3 hops of K, V
+    and key ids. In zigzag halves each hop moves two halves of each, after trading the
+    halves of q, rows, k, v and key ids in and before trading out and lse back (two
+    permutes each)."""
+    return 2 * 5 + 3 * 3 * 2 + 2 * 2 if zigzag else 3 * 3
+
+
+def out_and_lse_loss(attend):
+    """value_and_grad in q, k, v of loss(q, k, v, *arrays, dout): attend(q, k, v,
+    *arrays) -> (out, lse), out against dout plus the finite lse (so both carry
+    cotangents)."""
+    def loss(q, k, v, *rest):
+        *arrays, dout = rest
+        out, lse = attend(q, k, v, *arrays)
+        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0)
+        return jnp.sum(out.astype(jnp.float32) * dout) + jnp.sum(finite_lse)
+
+    return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
+def assert_segment_ring(fwd, ref_fwd, step, ref_step, args, chunks, spec, zigzag):
+    """The sequence-sharded forward `fwd` and loss-and-grads `step` run the segment
+    ring in the expected layout (with only collective-permutes moving data) and equal
+    the unsharded `ref_fwd` / `ref_step`. chunks: one device's q and k chunks."""
+    from jax_fa4 import _ring
+
+    assert spec.path == "platform" and spec.segments, spec
+    assert _ring._Layout.of(spec, "model", 4, *chunks).zigzag == zigzag
+    text = compiled_text(fwd, *args[:-1])
+    assert set(COLLECTIVES.findall(text)) == {"collective-permute"}, text
+    permutes = re.findall(r"collective-permute(?:-start)?\(", text)
+    assert len(permutes) == segment_ring_permutes(zigzag)
+    text = compiled_text(step, *args)
+    assert set(COLLECTIVES.findall(text)) <= {"collective-permute", "all-reduce"}
+    assert scalar_all_reduces(text)
+    (out, lse), (ref_out, ref_lse) = fwd(*args[:-1]), ref_fwd(*args[:-1])
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
+                               rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+    # The loss's value, a sum of outputs each rounded to bf16 once per chunk pair before
+    # the merge, says less than out and lse element-wise: only its gradients count.
+    (_, grads), (_, ref_grads) = step(*args), ref_step(*args)
+    for g, r in zip(grads, ref_grads):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=2e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("name", SEGMENT_RINGS)
+def test_segment_kernels_ring_over_a_sharded_sequence(built, mesh, name):
     # Segment ids and lengths over a sequence sharded 4 ways: the segment ring carries
-    # the key ids with K/V and cuts each row's global key range to the chunk at hand,
-    # so any band (a window, top-left, Sq != Sk) and lengths work; only
-    # collective-permutes move data.
-    q, k, v, dout = inputs(sq=24, sk=40)
+    # the key ids with K/V and cuts each row's global key range to the key chunk (or
+    # half) at hand, so any band (a window, top-left, Sq != Sk) and lengths work.
+    kwargs, sk, zigzag = SEGMENT_RINGS[name]
+    q, k, v, dout = inputs(sq=24, sk=sk)
     kwargs = dict(kwargs)
     arrays = {}
     if kwargs.pop("segments", False):
-        arrays.update(q_segment_ids=_segment_ids(8, 24), kv_segment_ids=_segment_ids(8, 40))
+        arrays.update(q_segment_ids=_segment_ids(8, 24), kv_segment_ids=_segment_ids(8, sk))
     if kwargs.pop("q_lengths", False):
         arrays["q_lengths"] = jnp.arange(8, dtype=jnp.int32) * 3
     if kwargs.pop("kv_lengths", False):
-        arrays["kv_lengths"] = 40 - jnp.arange(8, dtype=jnp.int32) * 4
+        arrays["kv_lengths"] = sk - jnp.arange(8, dtype=jnp.int32) * (sk // 10)
     spec = _api._plan(q, k, v, softmax_scale=None, return_lse=False, implementation=None,
                       **{"causal": False, **kwargs}, **arrays)
-    assert spec.path == "platform" and spec.segments, spec
     shard = NamedSharding(mesh, P("data", "model", None, None))
     array_shard = {n: NamedSharding(mesh, P("data", "model") if x.ndim == 2 else P("data"))
                    for n, x in arrays.items()}
 
-    def loss(implementation, q, k, v, dout, arrays):
-        out, lse = jax_fa4.attention(q, k, v, return_lse=True, implementation=implementation,
-                                     **kwargs, **arrays)
-        finite_lse = jnp.where(jnp.isfinite(lse), lse, 0)
-        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32)) + jnp.sum(finite_lse)
+    def attend(implementation, q, k, v, arrays):
+        return jax_fa4.attention(q, k, v, return_lse=True, implementation=implementation,
+                                 **kwargs, **arrays)
 
-    step = jax.jit(jax.value_and_grad(functools.partial(loss, None), argnums=(0, 1, 2)),
-                   in_shardings=(shard,) * 4 + (array_shard,))
-    found = set(COLLECTIVES.findall(compiled_text(step, q, k, v, dout, arrays)))
-    assert found <= {"collective-permute", "all-reduce"}, found
-    assert scalar_all_reduces(compiled_text(step, q, k, v, dout, arrays))
-    value, grads = step(q, k, v, dout, arrays)
-    ref_value, ref_grads = jax.value_and_grad(functools.partial(loss, "reference"),
-                                              argnums=(0, 1, 2))(q, k, v, dout, arrays)
-    np.testing.assert_allclose(value, ref_value, rtol=1e-4)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                   rtol=2e-2, atol=3e-2)
+    fwd, ref = (functools.partial(attend, i) for i in (None, "reference"))
+    shardings = (shard,) * 3 + (array_shard, shard)
+    chunks = (jax.ShapeDtypeStruct((8, 6, 8, 64), q.dtype),
+              jax.ShapeDtypeStruct((8, sk // 4, 8, 64), k.dtype))
+    assert_segment_ring(jax.jit(fwd, in_shardings=shardings[:-1]), ref,
+                        jax.jit(out_and_lse_loss(fwd), in_shardings=shardings),
+                        out_and_lse_loss(ref), (q, k, v, arrays, dout), chunks, spec,
+                        zigzag)
 
 
 def test_varlen_kernels_partition_over_heads_and_the_packed_axis(built, mesh):
@@ -558,3 +611,27 @@ def test_varlen_kernels_partition_over_heads_and_the_packed_axis(built, mesh):
     for g, r in zip(grads, ref_grads):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
                                    rtol=2e-2, atol=3e-2)
+
+
+def test_causal_varlen_ring_runs_in_zigzag_halves(built, mesh):
+    # attention_varlen over a packed axis of 24 queries and 24 keys sharded 4 ways:
+    # causal, so the segment ring trades halves of 3 into the zigzag layout. The
+    # sequences cross the chunks and halves, their key sequences are longer or shorter
+    # than their queries (bottom-right: the first sequence's queries see keys past their
+    # own index) and the last two rows are outside every sequence.
+    q, k, v, dout = (x[0] for x in inputs(b=1, sk=24))
+    call = dict(cu_seqlens_q=jnp.array([0, 5, 17, 22], jnp.int32),
+                cu_seqlens_k=jnp.array([0, 9, 16, 24], jnp.int32),
+                max_seqlen_q=12, max_seqlen_k=9, causal=True, return_lse=True)
+    spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
+        q, k, v, softmax_scale=None, **call), None)
+
+    def attend(implementation, q, k, v):
+        return jax_fa4.attention_varlen(q, k, v, implementation=implementation, **call)
+
+    fwd, ref = (functools.partial(attend, i) for i in (None, "reference"))
+    packed = NamedSharding(mesh, P("model", None, None))
+    chunk = jax.ShapeDtypeStruct((1, 6, 8, 64), q.dtype)
+    assert_segment_ring(jax.jit(fwd, in_shardings=(packed,) * 3), ref,
+                        jax.jit(out_and_lse_loss(fwd), in_shardings=(packed,) * 4),
+                        out_and_lse_loss(ref), (q, k, v, dout), (chunk, chunk), spec, True)
