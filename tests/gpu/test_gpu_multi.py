@@ -130,7 +130,8 @@ def test_sequence_sharded_jit_runs_the_window_ring(fa, gpus, causal, window):
 def test_sequence_sharded_jit_runs_the_segment_ring(fa, gpus, static):
     # Packed documents whose boundaries fall inside and across the devices' chunks, and
     # a padded tail: the segment kernels on each chunk pair, the key ids travelling
-    # with K/V.
+    # with K/V. Causal runs in zigzag halves of 256 (Sq == Sk), the window in
+    # contiguous chunks of 512.
     n = len(gpus)
     mesh = Mesh(np.array(gpus), ("s",))
     s = 512 * n
