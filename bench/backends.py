@@ -67,13 +67,13 @@ def _jax_nn(implementation):
         split = documents or 1
 
         def attend(q, k, v):
-            # jax.nn needs Dv == D: a smaller v runs zero-padded (exact), out cut back.
             dv = v.shape[-1]
-            v_full = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - dv)])
+            if dv < q.shape[-1]:  # jax.nn needs Dv == D: zero-pad v (exact), cut out back
+                v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - dv)])
             out = jax.nn.dot_product_attention(
-                *(_as_documents(split, x) for x in (q, k, v_full)), is_causal=causal,
+                *(_as_documents(split, x) for x in (q, k, v)), is_causal=causal,
                 local_window_size=window, implementation=implementation)
-            return out.reshape(q.shape[:3] + v_full.shape[3:])[..., :dv]
+            return out.reshape(q.shape[:3] + v.shape[3:])[..., :dv]
 
         return attend
 

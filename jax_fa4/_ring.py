@@ -89,8 +89,8 @@ class Cut:
     def with_zeros(self, dq, dk, dv):
         """Gradients of the rows and keys the pair ran, with zeros in front for those it
         dropped: they took no part in it."""
-        pad = _zeros_before
-        return pad(dq, self.rows), pad(dk, self.keys), pad(dv, self.keys)
+        return (_zeros_before(dq, self.rows), _zeros_before(dk, self.keys),
+                _zeros_before(dv, self.keys))
 
 
 def _after(x, count, axis):

@@ -206,11 +206,11 @@ class AttentionSpec:
         nothing to q.k, and out's extra columns are dropped). None if none holds them."""
         if self.kernel_dtype is None:
             return None
-        fits = sorted((d + dv, d, dv) for d, dv in {_registry.head_dims(e)
-                                                    for e in _registry.manifest()}
-                      if d >= self.head_dim and dv >= self.head_dim_v
-                      and self._find_kernel("fwd", (d, dv)) is not None)
-        return fits[0][1:] if fits else None
+        built = {_registry.head_dims(e) for e in _registry.manifest()}
+        fits = [(d + dv, d, dv) for d, dv in built
+                if d >= self.head_dim and dv >= self.head_dim_v
+                and self._find_kernel("fwd", (d, dv)) is not None]
+        return min(fits)[1:] if fits else None
 
     def for_kernel(self) -> AttentionSpec:
         """This spec at kernel_head_dims, the shapes the kernel calls see."""

@@ -92,6 +92,8 @@ VALUE_FIELDS = ("v", "o", "dout", "dv")
 def width(cfg: Config, p: Param) -> int:
     """The static head_dim of a "bshd" tensor parameter."""
     return cfg.head_dim_v if p.field in VALUE_FIELDS else cfg.head_dim
+
+
 # Segment variants take these after the tensors above (kernels/sm90/segments.py).
 SEGMENT_TENSORS = (
     Param("mRows", "q_rows", "bhn", "seqlen_q", "i32", heads="3"),

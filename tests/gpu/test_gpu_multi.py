@@ -86,29 +86,13 @@ def test_batch_and_head_sharding_equals_one_gpu_bitwise(fa, gpus, axes, causal):
         assert _bits_equal(a, b), f"{name} differs from the single-GPU result"
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_sequence_sharded_jit_runs_the_ring(fa, gpus, causal):
-    n = len(gpus)
-    mesh = Mesh(np.array(gpus), ("s",))
-    q, k, v, dout, dlse = _inputs(fa, 2, 512 * n, 8, 2, 128)
-    seq = NamedSharding(mesh, P(None, "s", None, None))
-    rows = NamedSharding(mesh, P(None, None, "s"))
-    shardings = (seq, seq, seq, seq, rows)
-    fn = jax.jit(_vjp(causal, deterministic=False), in_shardings=shardings,
-                 out_shardings=(seq, rows, seq, seq, seq))
-    placed = [jax.device_put(x, s) for x, s in zip((q, k, v, dout, dlse), shardings)]
-    assert _crossing(fn.lower(*placed).compile().as_text()) == {"collective-permute"}
-    out, lse, *grads = jax.device_get(fn(*placed))
-    fa.assert_attention("ring", out, lse, q, k, v, causal=causal)
-    fa.assert_gradients("ring", grads, q, k, v, dout, dlse, causal=causal)
-
-
-@pytest.mark.parametrize("causal,window", [(False, (300, 100)), (True, (700, 0))],
-                         ids=["window", "causal-window"])
-def test_sequence_sharded_jit_runs_the_window_ring(fa, gpus, causal, window):
-    # Chunks of 512 (zigzag halves of 256 for the causal window): the band ring skips
-    # the chunk pairs outside the window and runs those it cuts as top-left windows
-    # over their visible rows and keys.
+@pytest.mark.parametrize("causal,window", [(False, None), (True, None), (False, (300, 100)),
+                                           (True, (700, 0))],
+                         ids=["full", "causal", "window", "causal-window"])
+def test_sequence_sharded_jit_runs_the_ring(fa, gpus, causal, window):
+    # Chunks of 512 (zigzag halves of 256 when causal): with a window the band ring
+    # skips the chunk pairs outside it and runs those it cuts as top-left windows over
+    # their visible rows and keys.
     n = len(gpus)
     mesh = Mesh(np.array(gpus), ("s",))
     q, k, v, dout, dlse = _inputs(fa, 2, 512 * n, 8, 2, 128)
@@ -120,9 +104,8 @@ def test_sequence_sharded_jit_runs_the_window_ring(fa, gpus, causal, window):
     placed = [jax.device_put(x, s) for x, s in zip((q, k, v, dout, dlse), shardings)]
     assert _crossing(fn.lower(*placed).compile().as_text()) == {"collective-permute"}
     out, lse, *grads = jax.device_get(fn(*placed))
-    fa.assert_attention("window ring", out, lse, q, k, v, causal=causal, window=window)
-    fa.assert_gradients("window ring", grads, q, k, v, dout, dlse, causal=causal,
-                        window=window)
+    fa.assert_attention("ring", out, lse, q, k, v, causal=causal, window=window)
+    fa.assert_gradients("ring", grads, q, k, v, dout, dlse, causal=causal, window=window)
 
 
 @pytest.mark.parametrize("static", [{"causal": True}, {"window": (300, 100)}],
