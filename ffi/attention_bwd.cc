@@ -15,8 +15,9 @@
 // jax_fa4_fwd, with the backward's plan (..., key blocks, 1 + 2 * query tiles).
 //
 // Stages, as for jax_fa4_fwd: INITIALIZE checks the device and loads the selected
-// kernel's module (once per process, outside any CUDA-graph capture); EXECUTE only
-// validates and launches on XLA's stream, so the handler is command-buffer compatible.
+// kernel's module onto it (once per process and device, outside any CUDA-graph
+// capture); EXECUTE only validates and launches on XLA's stream, so the handler is
+// command-buffer compatible.
 
 #include <cuda_runtime.h>
 
@@ -197,8 +198,9 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                    lse2->untyped_data(), dsum->untyped_data(), dq_accum->untyped_data(),
                    sem->untyped_data()}))
     return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
-  if (!IsLoaded(*p.kernel))
-    return ffi::Error::Internal(where + ": module not loaded (initialize stage did not run)");
+  if (!IsLoaded(*p.kernel, device))
+    return ffi::Error::Internal(where + ": module not loaded onto device " +
+                                std::to_string(device) + " (initialize stage did not run)");
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);

@@ -10,9 +10,9 @@
 // (..., Sk) and the plan (..., query tiles, 1 + key blocks) (kernels/sm90/segments.py);
 // the band attributes are then unused, the rows carry it.
 //
-// Stages: INITIALIZE checks the device and loads the selected kernel's module (once per
-// process, outside any CUDA-graph capture); EXECUTE only launches on XLA's stream, so
-// the handler is command-buffer (CUDA graph) compatible.
+// Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
+// (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
+// on XLA's stream, so the handler is command-buffer (CUDA graph) compatible.
 
 #include <cuda_runtime.h>
 
@@ -123,8 +123,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
                    lse->typed_data()}))
     return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
-  if (!IsLoaded(*p.kernel))
-    return ffi::Error::Internal(where + ": module not loaded (initialize stage did not run)");
+  if (!IsLoaded(*p.kernel, device))
+    return ffi::Error::Internal(where + ": module not loaded onto device " +
+                                std::to_string(device) + " (initialize stage did not run)");
 
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
 

@@ -97,7 +97,8 @@ inline std::optional<Dtype> KernelDtype(ffi::DataType type) {
 }
 
 // Initialize stage: `device` must be the Hopper GPU the kernel is built for; then its
-// module is loaded (once per process, outside any CUDA-graph capture).
+// module is loaded onto it (once per process and device, outside any CUDA-graph
+// capture).
 template <typename Args>
 ffi::Error CheckDeviceAndLoad(const std::string& handler, const Kernel<Args>& kernel,
                               int32_t device) {
@@ -110,8 +111,15 @@ ffi::Error CheckDeviceAndLoad(const std::string& handler, const Kernel<Args>& ke
                       handler + ": kernel " + kernel.name + " is built for " + kernel.arch +
                           " (Hopper); device " + std::to_string(device) + " is sm_" +
                           std::to_string(major) + std::to_string(minor));
-  e = EnsureLoaded(kernel);
-  if (e != cudaSuccess) return CudaError(handler + ": loading " + kernel.name, e);
+  if (device >= kMaxDevices)
+    return ffi::Error(ffi::ErrorCode::kUnimplemented,
+                      handler + ": device " + std::to_string(device) + " is beyond the " +
+                          std::to_string(kMaxDevices) + " devices kernels can be loaded onto "
+                          "(kMaxDevices, ffi/kernel_table.h)");
+  e = EnsureLoaded(kernel, device);
+  if (e != cudaSuccess)
+    return CudaError(handler + ": loading " + kernel.name + " onto device " +
+                         std::to_string(device), e);
   return ffi::Error::Success();
 }
 

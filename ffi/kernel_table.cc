@@ -1,26 +1,34 @@
 #include "kernel_table.h"
 
 #include <atomic>
-#include <cstring>
 #include <mutex>
-
-// The exported headers report module-load errors through this macro (default: printf).
-// Record the first error instead, so the loader can return it to XLA.
-static cudaError_t g_load_error = cudaSuccess;
-#define CUTE_DSL_CUDA_ERROR_CHECK(err)                                        \
-  {                                                                          \
-    cudaError_t e_ = (err);                                                  \
-    if (e_ != cudaSuccess && g_load_error == cudaSuccess) g_load_error = e_; \
-  }
 
 namespace jax_fa4 {
 namespace {
 
-// Called only with g_load_mutex held.
-cudaError_t TakeLoadError() {
-  cudaError_t e = g_load_error;
-  g_load_error = cudaSuccess;
-  return e;
+// The export's module entry points _mlir_<name>_cuda_init and
+// _mlir_<name>_cuda_load_to_device take MLIR packed arguments: a pointer to each
+// argument, then one to the cudaError_t they return (kernels/export.py checks the
+// header's argument structs against these two).
+using PackedEntry = void (*)(void**);
+
+// Loads the kernel's library (cudaLibraryLoadData) into *library. Context-free: once
+// per process serves every device.
+cudaError_t InitLibrary(PackedEntry init, cudaLibrary_t* library) {
+  cudaError_t ret = cudaSuccess;
+  void* args[] = {&library, &ret};
+  init(args);
+  return ret;
+}
+
+// Resolves the library's kernel and sets its attributes (opt-in shared memory,
+// non-portable cluster size) for `device` only. Every call names the device, so no
+// cudaSetDevice is needed.
+cudaError_t LoadToDevice(PackedEntry load, cudaLibrary_t* library, int32_t device) {
+  cudaError_t ret = cudaSuccess;
+  void* args[] = {&library, &device, &ret};
+  load(args);
+  return ret;
 }
 
 // The export structs of a row-major (batch, seqlen, heads, head_dim) tensor with static
@@ -48,38 +56,45 @@ namespace {
 constexpr int kNumFwd = sizeof(kFwdKernels) / sizeof(kFwdKernels[0]);
 constexpr int kNumBwd = sizeof(kBwdKernels) / sizeof(kBwdKernels[0]);
 
+// Loads of every kernel and device take this lock: load_to_device stores the kernel's
+// handle in a global of its object each time, and loads are rare (initialize stages).
 std::mutex g_load_mutex;
-// Per kernel, forward ones first: -1 not loaded, otherwise the cudaError_t of its one
-// load attempt.
-std::atomic<int> g_load_state[kNumFwd + kNumBwd];
+// Results stored as 1 + cudaError_t, so that the zero of static storage means "not
+// tried yet". Per kernel, forward ones first: its one library init (under the lock),
+// and its one load per device (read without the lock by IsLoaded).
+int g_init_state[kNumFwd + kNumBwd];
+std::atomic<int> g_load_state[kNumFwd + kNumBwd][kMaxDevices];
 static_assert(ATOMIC_INT_LOCK_FREE == 2, "load state must be lock-free");
+
+int Stored(cudaError_t e) { return 1 + static_cast<int>(e); }
+cudaError_t Result(int stored) { return static_cast<cudaError_t>(stored - 1); }
 
 int SlotOf(const FwdKernel& kernel) { return static_cast<int>(&kernel - kFwdKernels); }
 int SlotOf(const BwdKernel& kernel) {
   return kNumFwd + static_cast<int>(&kernel - kBwdKernels);
 }
 
-struct InitLoadState {
-  InitLoadState() {
-    for (auto& s : g_load_state) s.store(-1);
-  }
-} g_init_load_state;
+bool ValidDevice(int32_t device) { return device >= 0 && device < kMaxDevices; }
 
-cudaError_t EnsureLoadedAt(int slot, cudaError_t (*load)()) {
-  std::atomic<int>& state = g_load_state[slot];
-  int s = state.load(std::memory_order_acquire);
-  if (s >= 0) return static_cast<cudaError_t>(s);
+template <typename Args>
+cudaError_t EnsureLoadedAt(int slot, const Kernel<Args>& kernel, int32_t device) {
+  if (!ValidDevice(device)) return cudaErrorInvalidDevice;
+  std::atomic<int>& state = g_load_state[slot][device];
+  if (int s = state.load(std::memory_order_acquire)) return Result(s);
   std::lock_guard<std::mutex> lock(g_load_mutex);
-  s = state.load(std::memory_order_relaxed);
-  if (s < 0) {
-    s = static_cast<int>(load());
-    state.store(s, std::memory_order_release);
-  }
-  return static_cast<cudaError_t>(s);
+  if (int s = state.load(std::memory_order_relaxed)) return Result(s);
+  int& init = g_init_state[slot];
+  if (!init) init = Stored(kernel.init());
+  // A failed init is the process's (cached above), not this device's: state stays 0.
+  if (Result(init) != cudaSuccess) return Result(init);
+  const cudaError_t e = kernel.load(device);
+  state.store(Stored(e), std::memory_order_release);
+  return e;
 }
 
-bool IsLoadedAt(int slot) {
-  return g_load_state[slot].load(std::memory_order_acquire) == cudaSuccess;
+bool IsLoadedAt(int slot, int32_t device) {
+  return ValidDevice(device) &&
+         Result(g_load_state[slot][device].load(std::memory_order_acquire)) == cudaSuccess;
 }
 
 template <typename Args>
@@ -117,14 +132,18 @@ BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q) {
   return {sq_pad, sq_pad * kernel.head_dim, tiles * kernel.dq_parts};
 }
 
-cudaError_t EnsureLoaded(const FwdKernel& kernel) {
-  return EnsureLoadedAt(SlotOf(kernel), kernel.load);
+cudaError_t EnsureLoaded(const FwdKernel& kernel, int32_t device) {
+  return EnsureLoadedAt(SlotOf(kernel), kernel, device);
 }
-cudaError_t EnsureLoaded(const BwdKernel& kernel) {
-  return EnsureLoadedAt(SlotOf(kernel), kernel.load);
+cudaError_t EnsureLoaded(const BwdKernel& kernel, int32_t device) {
+  return EnsureLoadedAt(SlotOf(kernel), kernel, device);
 }
 
-bool IsLoaded(const FwdKernel& kernel) { return IsLoadedAt(SlotOf(kernel)); }
-bool IsLoaded(const BwdKernel& kernel) { return IsLoadedAt(SlotOf(kernel)); }
+bool IsLoaded(const FwdKernel& kernel, int32_t device) {
+  return IsLoadedAt(SlotOf(kernel), device);
+}
+bool IsLoaded(const BwdKernel& kernel, int32_t device) {
+  return IsLoadedAt(SlotOf(kernel), device);
+}
 
 }  // namespace jax_fa4

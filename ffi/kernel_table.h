@@ -1,8 +1,8 @@
 // The tables of exported kernels the FFI handlers dispatch on.
 //
 // kernels/export.py generates one row per kernel (kernel_table.inc), in kFwdKernels or
-// kBwdKernels, with a module loader and a launch adapter that fills that kernel's export
-// structs from FwdArgs or BwdArgs.
+// kBwdKernels, with its module's loaders and a launch adapter that fills that kernel's
+// export structs from FwdArgs or BwdArgs.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -96,7 +96,8 @@ struct Kernel {
   int tile_m;
   int tile_n;
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
-  cudaError_t (*load)();  // loads the module onto every visible device
+  cudaError_t (*init)();  // loads the module's library (context-free, once per process)
+  cudaError_t (*load)(int32_t device);  // readies its kernels for `device`, after init
   int32_t (*launch)(const Args&, cudaStream_t);
 };
 using FwdKernel = Kernel<FwdArgs>;
@@ -124,13 +125,19 @@ struct BwdExtents {
 };
 BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q);
 
-// Loads the kernel's module once per process; later calls return the first result.
-// Not safe inside CUDA-graph capture: call it from an FFI initialize stage.
-cudaError_t EnsureLoaded(const FwdKernel& kernel);
-cudaError_t EnsureLoaded(const BwdKernel& kernel);
+// Devices 0 .. kMaxDevices - 1 can load kernels (the load state is a fixed table).
+constexpr int kMaxDevices = 64;
 
-// True once EnsureLoaded succeeded for this kernel (cheap, capture-safe).
-bool IsLoaded(const FwdKernel& kernel);
-bool IsLoaded(const BwdKernel& kernel);
+// Loads the kernel's module onto `device` the first time it is asked for there: the
+// library once per process, then the device's part. Later calls return the first
+// result, per device, so a failure on one device leaves the others free to load;
+// cudaErrorInvalidDevice outside [0, kMaxDevices). Not safe inside CUDA-graph capture:
+// call it from an FFI initialize stage.
+cudaError_t EnsureLoaded(const FwdKernel& kernel, int32_t device);
+cudaError_t EnsureLoaded(const BwdKernel& kernel, int32_t device);
+
+// True once EnsureLoaded succeeded for this kernel and device (cheap, capture-safe).
+bool IsLoaded(const FwdKernel& kernel, int32_t device);
+bool IsLoaded(const BwdKernel& kernel, int32_t device);
 
 }  // namespace jax_fa4

@@ -115,6 +115,17 @@ SCALARS = {
             ("int32_t", "band_lo"), ("int32_t", "band_hi"), ("float", "softcap_scale")),
 }
 STRUCT = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
+# The module struct the wrapper takes, and the module's loader entry points, which the
+# generated table calls one device at a time (InitLibrary and LoadToDevice in
+# ffi/kernel_table.cc) instead of the header's _Kernel_Module_Load, which loads onto
+# every device. They take MLIR packed arguments: a pointer to each argument, then one to
+# the returned cudaError_t. Per entry point: the struct the header packs them in, and
+# its field types.
+MODULE = "cudaLibrary_t module;"
+LOADERS = {
+    "cuda_init": ("initArgs", ("cudaLibrary_t **", "cudaError_t *")),
+    "cuda_load_to_device": ("loadArgs", ("cudaLibrary_t **", "int32_t *", "cudaError_t *")),
+}
 
 
 def source_digest() -> str:
@@ -209,6 +220,7 @@ def check_header(path: pathlib.Path, cfg: Config) -> None:
         body = " ".join(struct.group(1).split())
         if body != STRUCT:
             raise RuntimeError(f"{path}: {p.tensor} struct is '{body}', expected '{STRUCT}'")
+    check_loaders(path, text, name)
     signature = (
         rf"cute_dsl_{name}_wrapper\({name}_Kernel_Module_t \*module, "
         + ", ".join(rf"{name}_Tensor_{p.tensor}_t \*{p.tensor}" for p in params)
@@ -219,12 +231,31 @@ def check_header(path: pathlib.Path, cfg: Config) -> None:
         raise RuntimeError(f"{path}: wrapper signature changed")
 
 
+def check_loaders(path: pathlib.Path, text: str, name: str) -> None:
+    """The module struct, and the declaration and argument struct of each LOADERS entry."""
+    module = re.search(r"typedef struct \{([^}]*)\} " + re.escape(f"{name}_Kernel_Module_t;"),
+                       text)
+    if not module or " ".join(module.group(1).split()) != MODULE:
+        raise RuntimeError(f"{path}: module struct changed, expected '{MODULE}'")
+    for entry, (var, want) in LOADERS.items():
+        symbol = f"_mlir_{name}_{entry}"
+        if not re.search(rf"\bvoid {symbol}\(void \*\*\);", text):
+            raise RuntimeError(f"{path}: no declaration 'void {symbol}(void **);'")
+        args = re.search(r"struct \{([^}]*)\} " + var + r" = ", text)
+        if not args or not re.search(rf"\b{symbol}\(\(void \*\*\)\(&{var}\)\);", text):
+            raise RuntimeError(f"{path}: {symbol} is no longer called with a struct {var}")
+        fields = (" ".join(f.split()) for f in args.group(1).split(";") if f.strip())
+        got = tuple(re.sub(r"\w+$", "", f) for f in fields)  # the types, without names
+        if got != want:
+            raise RuntimeError(f"{path}: {symbol} takes {got}, expected {want}")
+
+
 _ENTRY = """
 namespace {name} {{
 {name}_Kernel_Module_t module;
-cudaError_t Load() {{
-  {name}_Kernel_Module_Load(&module);
-  return TakeLoadError();
+cudaError_t Init() {{ return InitLibrary(_mlir_{name}_cuda_init, &module.module); }}
+cudaError_t Load(int32_t device) {{
+  return LoadToDevice(_mlir_{name}_cuda_load_to_device, &module.module, device);
 }}
 int32_t Launch(const {args}& a, cudaStream_t stream) {{
 {tensors}
@@ -235,7 +266,7 @@ int32_t Launch(const {args}& a, cudaStream_t stream) {{
 
 
 def _entry(cfg: Config) -> str:
-    """One kernel's module, loader and launch adapter (Args -> its export structs)."""
+    """One kernel's module, loaders and launch adapter (Args -> its export structs)."""
     lines = []
     for p in tensors(cfg):
         struct = f"{cfg.name}_Tensor_{p.tensor}_t"
@@ -272,7 +303,7 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
                 f'{causal}, {softcap}, {segments}, '
-                f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Load, &{cfg.name}::Launch}},"
+                f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")
         lines.append(f"const int kNum{kind.capitalize()}Kernels = sizeof({table}) / sizeof({table}[0]);")
