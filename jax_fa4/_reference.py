@@ -28,7 +28,7 @@ def reference_attention(q, k, v, *, causal: bool, softmax_scale: float,
 
     `compute_dtype` is the dtype of the two matmuls and of their results: float32 for the
     reference, the input dtype for the "same math in low precision" baseline of the
-    numerics rule (KERNELS.md). As in FlashAttention's own reference, the softmax (and
+    numerics rule (tests/README.md). As in FlashAttention's own reference, the softmax (and
     softcap) always runs in float32 and P is rounded to `compute_dtype` before P @ V.
     HIGHEST precision keeps float32 matmuls out of TF32 on GPUs.
     """
@@ -127,7 +127,7 @@ def reference_backward(q, k, v, out, lse, dout, dlse, *, causal: bool, softmax_s
     contribute nothing; dq, dk, dv come back in the dtypes of q, k, v.
 
     `compute_dtype` float32 is the reference. The input dtype gives the numerics rule's
-    low-precision baseline for the backward kernels (KERNELS.md): the same algorithm with
+    low-precision baseline for the backward kernels (tests/README.md): the same algorithm with
     every intermediate (S, P, dP, D, dS and the products) rounded to that dtype. Autodiff
     of the low-precision forward is not that baseline: for a row with one visible key its
     softmax gradient is exactly 0, where any D = rowsum(dO * O) formulation is not.

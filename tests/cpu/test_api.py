@@ -149,10 +149,25 @@ def test_zero_size(implementation, b, sq, sk, h):
     np.testing.assert_array_equal(dq, 0.0)
 
 
-def test_kernels_lists_the_manifest():
-    assert jax_fa4.kernels() == _registry.manifest()
+# The keys of every kernels() entry as its docstring lists them; backward ones add dq_parts.
+KERNEL_KEYS = {"name", "kind", "arch", "dtype", "head_dim", "head_dim_v", "causal", "softcap",
+               "segments", "tile_m", "tile_n"}
+
+
+def test_kernels_lists_the_built_manifest(expected_manifest):
+    kernels = jax_fa4.kernels()
     if _registry.native_reason():
-        assert jax_fa4.kernels() == []
+        assert kernels == []
+        return
+    by_name = functools.partial(sorted, key=lambda entry: entry["name"])
+    assert by_name(kernels) == by_name(expected_manifest)
+    for entry in kernels:
+        keys = KERNEL_KEYS | ({"dq_parts"} if entry["kind"] == "bwd" else set())
+        assert set(entry) == keys, entry
+    # kernels() returns a copy: changing the list or an entry does not reach the next call.
+    kernels[0]["tile_m"] = 0
+    kernels.pop()
+    assert by_name(jax_fa4.kernels()) == by_name(expected_manifest)
 
 
 def test_public_surface():

@@ -37,6 +37,47 @@ class Hopper:
     compute_capability = "9.0"
 
 
+def tensor(dtype, *shape):
+    """A tensor type as StableHLO writes it, e.g. tensor<2x16x4x64xbf16>."""
+    return f"tensor<{'x'.join(map(str, shape))}x{dtype}>"
+
+
+def custom_call(lowered, target):
+    """The line of the one custom call to `target` in StableHLO text."""
+    calls = re.findall(rf"custom_call @{target}\(.*", lowered)
+    assert len(calls) == 1, calls
+    return calls[0]
+
+
+def operand_types(call):
+    """The operand types of a custom call line, from its signature `: (...) -> ...`."""
+    return re.search(r"\} : \(([^)]*)\) -> ", call).group(1).split(", ")
+
+
+def attention_operands(kind, batch, sq, sk, heads, heads_kv, head_dim=64):
+    """The types of the plain call's operands (bfloat16, D = Dv): q, k, v for "fwd";
+    q, k, v, out, dout, lse, dlse for "bwd" (_ffi_calls.fwd / bwd)."""
+    q = tensor("bf16", batch, sq, heads, head_dim)
+    kv = tensor("bf16", batch, sk, heads_kv, head_dim)
+    if kind == "fwd":
+        return [q, kv, kv]
+    lse = tensor("f32", batch, heads, sq)
+    return [q, kv, kv, q, q, lse, lse]
+
+
+def segment_operands(kind, batch, sq, sk, softcap):
+    """The types of the segment kernels' extra operands (_ffi_calls._segment_operands):
+    rows (B, 3, Sq), keys (B, Sk) and the plan for the tiles of the bfloat16 d64 segment
+    kernel of `kind`, (B, query tiles, 1 + key blocks) forward and (B, key blocks,
+    1 + 2 * query tiles) backward (_segment_plan.forward_plan / backward_plan)."""
+    kernel, = (entry for entry in jax_fa4.kernels()
+               if (entry["kind"], entry["dtype"], entry["head_dim"], entry["segments"],
+                   entry["softcap"]) == (kind, "bf16", 64, True, softcap))
+    tiles, blocks = -(-sq // kernel["tile_m"]), -(-sk // kernel["tile_n"])
+    plan = (batch, tiles, 1 + blocks) if kind == "fwd" else (batch, blocks, 1 + 2 * tiles)
+    return [tensor("i32", batch, 3, sq), tensor("i32", batch, sk), tensor("i32", *plan)]
+
+
 @pytest.fixture
 def hopper(built, monkeypatch):
     """The kernel path as on a Hopper GPU (native module built or stood in for)."""
@@ -161,11 +202,22 @@ def test_segment_calls_take_the_segment_kernels(hopper, kwargs):
         lowered = jax.jit(fn).trace(Q, KV, KV, arrays).lower(
             lowering_platforms=("cuda",)).as_text()
         assert "jax_fa4_fwd" in lowered and ("jax_fa4_bwd" in lowered) == grad
+        for kind in ("fwd", "bwd") if grad else ("fwd",):
+            call = custom_call(lowered, f"jax_fa4_{kind}")
+            assert operand_types(call) == (
+                attention_operands(kind, 2, 16, 24, 4, 4)
+                + segment_operands(kind, 2, 16, 24, softcap="softcap" in kwargs)), call
 
 
-@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(softcap=2.0, window=(4, 4))])
-def test_varlen_takes_the_segment_kernels(hopper, kwargs):
+# (softcap, window_left, window_right) as the kernels receive them (0: no softcap;
+# -1: unbounded).
+@pytest.mark.parametrize("kwargs,attributes", [
+    (dict(causal=True), (0.0, -1, 0)),
+    (dict(softcap=2.0, window=(4, 4)), (2.0, 4, 4)),
+])
+def test_varlen_takes_the_segment_kernels(hopper, kwargs, attributes):
     assert jax_fa4.supports(VQ, VKV, VKV, **VARLEN, **kwargs) == (True, "")
+    softcap, left, right = attributes
     for grad in (False, True):
         def f(q, k, v, cu):
             return jax_fa4.attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
@@ -175,9 +227,18 @@ def test_varlen_takes_the_segment_kernels(hopper, kwargs):
         fn = jax.grad(f, (0, 1, 2)) if grad else f
         lowered = jax.jit(fn).trace(VQ, VKV, VKV, CU).lower(
             lowering_platforms=("cuda",)).as_text()
-        call = re.search(r"custom_call @jax_fa4_fwd\(.*", lowered).group(0)
-        assert f"softcap = {2.0 if 'softcap' in kwargs else 0.0:e}" in call or "softcap" in call
         assert ("jax_fa4_bwd" in lowered) == grad
+        for kind in ("fwd", "bwd") if grad else ("fwd",):
+            call = custom_call(lowered, f"jax_fa4_{kind}")
+            assert "causal = true" in call and "top_left = false" in call, call
+            assert f"softcap = {softcap:e} : f32" in call, call
+            assert f"window_left = {left} : i32" in call, call
+            assert f"window_right = {right} : i32" in call, call
+            # The packed axis is the sequence of one batch row, and Hq 4 over Hkv 2 runs
+            # pack-GQA (_pack_gqa): 2 heads of 2 * 40 query rows.
+            assert operand_types(call) == (
+                attention_operands(kind, 1, 80, 50, 2, 2)
+                + segment_operands(kind, 1, 80, 50, softcap=softcap > 0)), call
 
 
 def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
@@ -209,8 +270,10 @@ def test_bands_take_the_banded_kernels(hopper, kwargs, band):
                     argnums=(0, 1, 2))
     lowered = jax.jit(grad).trace(Q, KV, KV).lower(lowering_platforms=("cuda",)).as_text()
     left, right, top_left = band
-    for target in ("jax_fa4_fwd", "jax_fa4_bwd"):
-        call = re.search(rf"custom_call @{target}\(.*", lowered).group(0)
+    for kind in ("fwd", "bwd"):
+        call = custom_call(lowered, f"jax_fa4_{kind}")
+        # A band alone is the banded kernel's attributes: no segment operands.
+        assert operand_types(call) == attention_operands(kind, 2, 16, 24, 4, 4), call
         assert "causal = true" in call, call
         assert f"top_left = {str(top_left).lower()}" in call, call
         assert f"window_left = {left} : i32" in call, call

@@ -1,4 +1,4 @@
-"""The numerics rule of KERNELS.md (FlashAttention's), shared by the GPU tests.
+"""The numerics rule (tests/README.md), FlashAttention's, shared by the GPU tests.
 
 A result passes when
 
@@ -22,7 +22,7 @@ from jax_fa4 import _masks
 from jax_fa4._reference import reference_attention, reference_backward
 
 RTOL = 2.0
-SOFTCAP_RTOL = 3.0  # KERNELS.md: tanh adds a rounding step the baseline takes in float32
+SOFTCAP_RTOL = 3.0  # tests/README.md: tanh adds a rounding step the baseline takes in float32
 # Twice the float32 rounding error at magnitude 0.3 (eps is the relative spacing of
 # float32 numbers). It only matters where the low-precision math is exact.
 ATOL = 2 * float(np.finfo(np.float32).eps) * 0.3

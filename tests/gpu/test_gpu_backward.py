@@ -1,4 +1,4 @@
-"""Backward kernel numerics with the rule of KERNELS.md: dq, dk, dv against the
+"""Backward kernel numerics with the rule of tests/README.md: dq, dk, dv against the
 gradients of the float32 reference, with atomic and with deterministic dq accumulation.
 
 dtype x head dims (D = Dv, and D 192 / Dv 128) x causal x (Sq, Sk) x mode, every

@@ -1,4 +1,4 @@
-"""GQA / MQA through the kernels with the rule of KERNELS.md: query heads share key/value
+"""GQA / MQA through the kernels with the rule of tests/README.md: query heads share key/value
 heads in the forward, and the backward's per-query-head dk, dv partials are summed per
 group. Forward and both backward modes per case, against the float32 reference; with
 head dims that run zero-padded to a built one (80 -> 96), D 192 / Dv 128, and

@@ -1,4 +1,4 @@
-"""Forward kernel numerics over the full matrix, with the rule of KERNELS.md.
+"""Forward kernel numerics over the full matrix, with the rule of tests/README.md.
 
 dtype x head dims (D = Dv, and D 192 / Dv 128) x causal x (Sq, Sk) x batch x heads,
 every combination. Inputs and

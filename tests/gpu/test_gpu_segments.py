@@ -1,5 +1,5 @@
 """The segment kernels (segment ids, lengths, and either with a band) with the rule of
-KERNELS.md: out, lse, and dq, dk, dv in both backward modes, against the float32
+tests/README.md: out, lse, and dq, dk, dv in both backward modes, against the float32
 reference with the same visibility. Packed documents have boundaries inside tiles, so
 key blocks are skipped, visited whole and masked; unsorted ids make every visited block
 a masked one; lengths leave padding rows (out = 0, lse = -inf) and a batch row of

@@ -1,5 +1,5 @@
 """Attention sinks on the kernel path (the kernels' out and lse, then the sinks) with the
-rule of KERNELS.md: out, lse, dq, dk, dv against the float32 reference with sinks, forward
+rule of tests/README.md: out, lse, dq, dk, dv against the float32 reference with sinks, forward
 and both backward modes; dsinks against its closed form on the kernels' out and lse.
 Includes causal rows that see no key (Sq > Sk), whose lse is the sink and out 0."""
 

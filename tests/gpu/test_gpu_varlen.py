@@ -1,4 +1,4 @@
-"""attention_varlen on the segment kernels with the rule of KERNELS.md: out, lse, and
+"""attention_varlen on the segment kernels with the rule of tests/README.md: out, lse, and
 dq, dk, dv in both backward modes. A padded batch with q_lengths / kv_lengths is the
 same problem as its sequences packed (bottom-right alignment uses the valid lengths), so
 the packed results, unpacked, meet the padded float32 reference. The packing leaves

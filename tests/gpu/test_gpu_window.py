@@ -1,5 +1,5 @@
 """The banded kernels (sliding windows, one-sided windows, top-left alignment, and their
-softcap variant) with the rule of KERNELS.md: out, lse, and dq, dk, dv in both backward
+softcap variant) with the rule of tests/README.md: out, lse, and dq, dk, dv in both backward
 modes, against the float32 reference with the same band and cap. Sizes put band edges
 across tile boundaries, leave rows that see no key, and make key blocks that every row
 of a tile sees whole; the GPU test of the block ranges whose arithmetic
