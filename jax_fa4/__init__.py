@@ -18,9 +18,11 @@ Axis legend, used by every shape in this package:
 This is the layout of `jax.nn.dot_product_attention`. Causal masking and windows are
 bottom-right aligned by default: query i sees key j iff j <= i + Sk - Sq.
 
-The kernels run on Hopper GPUs through XLA FFI custom calls; everywhere else (CPU,
-other GPUs, unsupported configurations or features) a pure-JAX reference runs. `supports`
-says why the kernel would not run, `kernels` lists the compiled kernels.
+The kernels run on Hopper GPUs through XLA FFI custom calls. On CPUs a pure-JAX
+reference runs; on a GPU the kernels cannot serve (another GPU, a configuration without
+a kernel) cuDNN through jax.nn.dot_product_attention or the reference, with a warning
+(`_fallback`). `supports` says why the kernel would not run and what runs instead,
+`kernels` lists the compiled kernels.
 `ring_attention` (with `zigzag` / `unzigzag`) splits sequences across devices inside
 `shard_map`. Framework adapters live in `jax_fa4.flax` and `jax_fa4.equinox` (imported
 on demand).

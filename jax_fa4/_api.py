@@ -9,9 +9,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _masks, _pack_gqa, _registry, _segment_plan, _sharding, _vjp
+from jax_fa4 import (_fallback, _masks, _pack_gqa, _registry, _segment_plan, _sharding,
+                     _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
-from jax_fa4._spec import AttentionSpec
+from jax_fa4._spec import AttentionSpec, grid_support
 
 IMPLEMENTATIONS = (None, "cute", "reference")
 
@@ -60,20 +61,26 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     q_lengths, kv_lengths: (B,) int32: query rows i >= q_lengths[b] are padding (out = 0,
         lse = -inf, even with sinks) and keys j >= kv_lengths[b] are invisible (their
         blocks are skipped). They also set Lq, Lk of bottom-right alignment (a decode
-        step with a padded KV cache: Sq = 1, kv_lengths = the cache lengths).
+        step with a padded KV cache: Sq = 1, kv_lengths = the cache lengths). Any int32
+        value is defined: lengths are clipped to [0, Sq] / [0, Sk] first, on every path.
     deterministic: static bool, for the backward kernel: False (default) accumulates dq
         with atomic adds, fast, but the summation order and so the last bits of dq can
         change from run to run; True accumulates in a fixed order, bitwise reproducible
         and somewhat slower. The forward and the reference are deterministic either way.
     Segment ids, lengths and sinks are runtime arrays (traced); all other arguments are
-    static.
+    static. Segment ids may hold any int32 values (only equality matters).
 
     implementation: None picks the kernel where it runs (Hopper GPU, supported
         configuration; decided per platform at lowering, so the same jitted function
-        also runs on CPU) and the pure-JAX reference elsewhere; "cute" forces the kernel
-        and raises NotImplementedError with the reason when it cannot run here (every
-        feature above runs in the kernels; sinks are applied to the kernels' out and
-        lse); "reference" forces the reference.
+        also runs on CPU) and the pure-JAX reference elsewhere. On a CUDA GPU where the
+        kernel cannot run (another GPU, a configuration without a kernel) it runs cuDNN
+        through jax.nn.dot_product_attention when that computes the same call, else the
+        reference, and warns once with the reason (`supports` says which beforehand). A
+        native module that fails to import on a GPU machine raises RuntimeError with the
+        cause, unless JAX_FA4_ALLOW_NO_NATIVE=1 (then it warns and falls back). "cute"
+        forces the kernel and raises NotImplementedError with the reason when it cannot
+        run here (every feature above runs in the kernels; sinks are applied to the
+        kernels' out and lse); "reference" forces the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
     dv (and dsinks). Where the forward runs the kernel, so does the backward kernel
@@ -86,6 +93,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     spec = _plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
                  return_lse=return_lse, implementation=implementation, alignment=alignment,
                  window=window, softcap=softcap, deterministic=deterministic, **arrays)
+    arrays.update(q_lengths=_masks.clip_lengths(q_lengths, q.shape[1]),
+                  kv_lengths=_masks.clip_lengths(kv_lengths, k.shape[1]))
     out, lse = _run(spec, q, k, v, **arrays)
     return (out, lse) if spec.return_lse else out
 
@@ -100,10 +109,14 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) -> out (total_q, Hq, Dv),
     plus lse (Hq, total_q) float32 when `return_lse`.
 
-    cu_seqlens_q, cu_seqlens_k: (num_seqs + 1,) int32 runtime arrays, non-decreasing
-        cumulative offsets: sequence s is q rows cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1
-        and k/v rows cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1. Empty sequences are valid;
-        q rows outside every sequence give out = 0 and lse = -inf.
+    cu_seqlens_q, cu_seqlens_k: (num_seqs + 1,) int32 runtime arrays, cumulative
+        offsets: sequence s is q rows cu_seqlens_q[s] .. cu_seqlens_q[s+1] - 1 and k/v
+        rows cu_seqlens_k[s] .. cu_seqlens_k[s+1] - 1. Empty sequences are valid; q rows
+        outside every sequence give out = 0 and lse = -inf. Any int32 values are
+        defined, on every path: each offset is first clipped to [0, total] (total_q or
+        total_k), then raised to the largest offset before it (a running maximum), so
+        an offset past the packed length ends its sequence at the end and a decreasing
+        one makes an empty sequence.
     max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length (FlashAttention's
         signature; the kernels size their grid from total_q and total_k and skip the
         blocks no sequence joins, and the reference needs no bound).
@@ -118,7 +131,10 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, alignment=alignment,
         window=window, softcap=softcap, sinks=sinks, deterministic=deterministic)
-    spec = _with_packing(_choose_path(spec, implementation), q.shape[0])
+    spec = _with_packing(_choose_path(spec, implementation, _sizes(q, k, varlen=True)),
+                         q.shape[0])
+    cu_seqlens_q = _masks.clip_offsets(cu_seqlens_q, q.shape[0])
+    cu_seqlens_k = _masks.clip_offsets(cu_seqlens_k, k.shape[0])
     # The packed axis is the sequence: a unit batch axis gives it the batch-first layout
     # of the guard and the kernels.
     q, k, v = q[None], k[None], v[None]
@@ -138,22 +154,43 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
     return (out, lse) if spec.return_lse else out
 
 
-def supports(q, k, v, **kwargs) -> tuple[bool, str]:
+class Support(tuple):
+    """(ok, reason), a pair as before, and `.path`: what implementation=None runs here,
+    "kernel", "cudnn" (jax.nn's cuDNN path) or "reference"."""
+
+    def __new__(cls, ok: bool, reason: str, path: str):
+        support = super().__new__(cls, (ok, reason))
+        support.path = path
+        return support
+
+
+def supports(q, k, v, **kwargs) -> Support:
     """Whether `attention(q, k, v, **kwargs, implementation="cute")` would run here
-    (`attention_varlen`'s, when kwargs hold cu_seqlens_q or cu_seqlens_k).
+    (`attention_varlen`'s, when kwargs hold cu_seqlens_q or cu_seqlens_k), and what
+    `implementation=None` would run.
 
     Takes arrays or jax.ShapeDtypeStruct (feature arrays too) and the keyword arguments
     of `attention` / `attention_varlen`. Returns (True, "") or (False, reason): the reason
     names what is missing (a dtype or head_dim without a kernel, the native module, a
-    Hopper GPU). Malformed input raises ValueError.
+    Hopper GPU, a grid dimension), and then the path implementation=None takes instead;
+    `.path` is "kernel", "cudnn" or "reference". Malformed input raises ValueError.
     """
     _check_implementation(kwargs.pop("implementation", None))
     kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
-    if "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs:
+    varlen = "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs
+    if varlen:
         spec = AttentionSpec.from_varlen_inputs(q, k, v, **kwargs)
     else:
         spec = AttentionSpec.from_inputs(q, k, v, **kwargs)
-    return _kernel_runs_here(spec)
+    sizes = _sizes(q, k, varlen=varlen)
+    ok, reason = _kernel_runs_here(spec, sizes)
+    if ok:
+        return Support(True, "", "kernel")
+    path, why = _fallback_path(spec, sizes)
+    runs = {"cudnn": "cuDNN through jax.nn.dot_product_attention",
+            "reference": "the pure-JAX reference"}[path]
+    return Support(False, f"{reason}; implementation=None runs {runs}"
+                   + (f" ({why})" if why else ""), path)
 
 
 def kernels() -> list[dict]:
@@ -169,25 +206,56 @@ def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
     _check_implementation(implementation)
     spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                      return_lse=return_lse, **features)
-    return _with_packing(_choose_path(spec, implementation), q.shape[1])
+    return _with_packing(_choose_path(spec, implementation, _sizes(q, k, varlen=False)),
+                         q.shape[1])
 
 
-def _choose_path(spec: AttentionSpec, implementation) -> AttentionSpec:
+def _sizes(q, k, *, varlen: bool) -> tuple:
+    """(batch, query heads, Sq, Sk) as the kernels see them (varlen: one packed row)."""
+    if varlen:
+        return 1, q.shape[1], q.shape[0], k.shape[0]
+    return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
+
+
+def _choose_path(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
     if implementation == "reference":
         return spec.with_path("reference")
     if implementation == "cute":
         if spec.kernel_dtype is None:
             raise ValueError(
                 f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
-        ok, reason = _kernel_runs_here(spec)
+        ok, reason = _kernel_runs_here(spec, sizes)
         if not ok:
             raise NotImplementedError(reason)
         return spec.with_path("cute")
-    ok, _ = spec.kernel_support()
-    if not ok or _non_hopper_gpus():
-        # Decided statically: a per-platform switch would send these GPUs to the kernel.
-        return spec.with_path("reference")
-    return spec.with_path("platform")
+    ok, reason = _kernel_support(spec, sizes)
+    if ok and not _non_hopper_gpus():
+        return spec.with_path("platform")
+    if not _gpu_devices():
+        return spec.with_path("reference")  # no GPU: the reference is this machine's path
+    # A GPU the kernels cannot serve: decided statically, since a per-platform switch
+    # would send any GPU to the kernel.
+    if not ok and _registry.native_reason() and not _fallback.native_allowed():
+        raise RuntimeError(
+            f"jax_fa4: {_registry.native_reason()}, on a machine with a GPU "
+            f"({_describe(_gpu_devices())}); reinstall jax_fa4 (pip install .), or set "
+            f"{_fallback.ALLOW_NO_NATIVE}=1 to run without the kernels (cuDNN or the "
+            "pure-JAX reference, with a warning)")
+    if ok:
+        reason = f"they need Hopper (sm_90) GPUs; visible: {_describe(_gpu_devices())}"
+    path, why = _fallback_path(spec, sizes)
+    _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
+    return spec.with_path(path)
+
+
+def _fallback_path(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
+    """("cudnn" or "reference", why not cuDNN) for a call the kernels do not take: cuDNN
+    needs a GPU and a call it computes exactly."""
+    if not _gpu_devices():
+        return "reference", ""
+    ok, why = _fallback.cudnn_support(spec, sizes[2], sizes[3],
+                                      hopper=all(map(_is_hopper, _gpu_devices())))
+    return ("cudnn", "") if ok else ("reference", why)
 
 
 def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
@@ -205,6 +273,9 @@ def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
 
 def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, q_lengths,
          kv_lengths):
+    if spec.path == "cudnn":  # no lse: _fallback.cudnn_support refuses return_lse
+        return _fallback.attention(spec, q, k, v, q_lengths=q_lengths,
+                                   kv_lengths=kv_lengths), None
     if spec.path == "reference":
         # Handles empty problems itself: rows that see no key.
         q, k, v = _sharding.guard(spec, q, k, v)
@@ -281,8 +352,14 @@ def _check_implementation(implementation) -> None:
             f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
 
 
-def _kernel_runs_here(spec: AttentionSpec) -> tuple[bool, str]:
+def _kernel_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
+    """Whether a built kernel covers the call (devices aside)."""
     ok, reason = spec.kernel_support()
+    return (ok, reason) if not ok else grid_support(*sizes[:2])
+
+
+def _kernel_runs_here(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
+    ok, reason = _kernel_support(spec, sizes)
     if not ok:
         return ok, reason
     if not any(_is_hopper(d) for d in _gpu_devices()):
@@ -302,6 +379,11 @@ def _gpu_devices() -> tuple:
 
 def _is_hopper(device) -> bool:
     return str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def _describe(devices) -> str:
+    return ", ".join(f"{getattr(d, 'device_kind', 'GPU')} (compute capability "
+                     f"{getattr(d, 'compute_capability', '?')})" for d in devices)
 
 
 def _non_hopper_gpus() -> bool:

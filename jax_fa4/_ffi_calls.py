@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from jax_fa4 import _segment_plan
 from jax_fa4._sharding import vary_like
-from jax_fa4._spec import AttentionSpec
+from jax_fa4._spec import GRID_YZ_LIMIT, AttentionSpec
 
 FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
@@ -41,6 +41,21 @@ def _segment_operands(segments, kernel, make_plan):
     return rows, keys, make_plan(rows, keys, kernel["tile_m"], kernel["tile_n"])
 
 
+def _check_backward_sizes(kernel, sq, sk, head_dim) -> None:
+    """The backward's limits (ffi/attention_bwd.cc), refused while tracing rather than at
+    the launch: its key blocks are a grid dimension (<= 65535) and its fp32 dq
+    accumulator is indexed in int32. Symbolic sizes (jax.export) are left to the handler."""
+    if not isinstance(sq, int) or not isinstance(sk, int):
+        return
+    blocks = -(-sk // kernel["tile_n"])
+    sq_pad = -(-sq // kernel["tile_m"]) * kernel["tile_m"]
+    if blocks > GRID_YZ_LIMIT or sq_pad * head_dim >= 1 << 31:
+        raise ValueError(
+            f"the backward kernel {kernel['name']} takes at most {GRID_YZ_LIMIT} key blocks "
+            f"of {kernel['tile_n']} (Sk <= {GRID_YZ_LIMIT * kernel['tile_n']}) and Sq * D < "
+            f"2^31; got Sk {sk}, Sq {sq}, D {head_dim}")
+
+
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out, dout (B, Sq, H, Dv),
     lse/dlse (B, H, Sq) fp32 -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`. `segments` as for `fwd`.
@@ -51,6 +66,7 @@ def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
     WorkspaceExtents, which the handler checks against these shapes)."""
     kernel = spec.bwd_kernel
     *lead, sq, heads, head_dim = q.shape
+    _check_backward_sizes(kernel, sq, k.shape[-3], head_dim)
     tile_m = kernel["tile_m"]
     tiles = (sq + tile_m - 1) // tile_m  # symbolic sizes (jax.export) allow this
     sq_pad = tiles * tile_m

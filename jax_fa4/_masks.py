@@ -22,6 +22,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 
 class Visibility(NamedTuple):
@@ -56,7 +57,7 @@ def varlen(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, causal: bo
     """Visibility for packed sequences: sequence s holds rows cu[s] <= i < cu[s + 1].
 
     Rows outside every sequence (before cu[0], from cu[-1] on) are invalid. cu_seqlens
-    must be non-decreasing (not checked: they are runtime values).
+    must be non-decreasing and inside [0, total] (`clip_offsets` makes them so).
     """
     q_seq, q_valid = sequence_index(cu_seqlens_q, total_q)
     k_seq, k_valid = sequence_index(cu_seqlens_k, total_k)
@@ -72,6 +73,20 @@ def varlen(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int, *, causal: bo
         band = _band(aligned, jnp.arange(total_k, dtype=jnp.int32), left, right)
     same = q_seq[:, None] == k_seq[None, :]
     return Visibility(_all(band, same, *_pairs(q_valid, k_valid)), q_valid)
+
+
+def clip_lengths(lengths, size: int):
+    """Runtime lengths as every path reads them: clipped to [0, size]. Under jit their
+    values cannot be checked, so any int32 has this meaning. None stays None."""
+    return None if lengths is None else jnp.clip(lengths, 0, size)
+
+
+def clip_offsets(cu_seqlens, total: int):
+    """Runtime cu_seqlens as every path reads them: each offset clipped to [0, total],
+    then raised to the largest offset before it (a running maximum). An offset past the
+    packed length ends its sequence at the end; a decreasing one makes an empty
+    sequence. Any int32 values thus mean non-decreasing offsets inside the axis."""
+    return lax.cummax(jnp.clip(cu_seqlens, 0, total))
 
 
 def _band_sides(causal: bool, window) -> tuple[int | None, int | None]:

@@ -1,8 +1,10 @@
 """The native module `jax_fa4._ffi`: load it if it was built, register its FFI targets.
 
 The module holds the XLA FFI handlers (as capsules) and the manifest of the kernels it
-was built with. A source checkout without `pip install .` has no module: everything
-else in jax_fa4 still works, and the kernel path reports `NOT_BUILT` as its reason.
+was built with. A source checkout without `pip install .` has no module, and a built one
+can fail to load (a missing library, another platform): everything else in jax_fa4
+still works, and `native_reason` says which and why (`_api` refuses to run without it
+on a GPU machine unless allowed).
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ NOT_BUILT = "native module jax_fa4._ffi is not built (pip install .)"
 
 try:
     from jax_fa4 import _ffi
-except ImportError:
+    _IMPORT_ERROR = None
+except ImportError as error:
     _ffi = None
+    _IMPORT_ERROR = error
 
 # Attribute set on the extension module once its targets are registered. It lives on
 # the extension module because `importlib.reload` re-runs this file but never
@@ -23,8 +27,15 @@ _REGISTERED_FLAG = "_jax_fa4_targets_registered"
 
 
 def native_reason() -> str:
-    """Empty when the native module is loaded, else why the kernel path is unavailable."""
-    return "" if _ffi is not None else NOT_BUILT
+    """Empty when the native module is loaded, else why the kernel path is unavailable:
+    not built, or the import's own error."""
+    if _ffi is not None:
+        return ""
+    absent = (isinstance(_IMPORT_ERROR, ModuleNotFoundError)
+              and _IMPORT_ERROR.name == f"{__package__}._ffi")
+    if _IMPORT_ERROR is None or absent:
+        return NOT_BUILT
+    return f"native module jax_fa4._ffi failed to import: {_IMPORT_ERROR!r}"
 
 
 def manifest() -> list[dict]:

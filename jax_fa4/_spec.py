@@ -29,8 +29,13 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 # How the forward runs (set by `_api` after it checked the platform):
 #   "cute": the kernel, unconditionally.
 #   "platform": the kernel when lowered for CUDA, the reference for any other platform.
+#   "cudnn": jax.nn's cuDNN path when lowered for CUDA, the reference elsewhere (a GPU
+#       where the kernels cannot run, `_fallback`).
 #   "reference": the pure-JAX reference.
-PATHS = ("cute", "platform", "reference")
+PATHS = ("cute", "platform", "cudnn", "reference")
+
+# The kernels' grids are (tiles, heads, batch): y and z stop at 65535 (ffi/handler_common.h).
+GRID_YZ_LIMIT = 65535
 
 # Where query row i is aligned on the key axis (see `_masks`).
 ALIGNMENTS = ("bottom_right", "top_left")
@@ -288,6 +293,17 @@ class AttentionSpec:
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's and deterministic -> i1."""
         return {**self.ffi_attributes(), "deterministic": self.deterministic}
+
+
+def grid_support(batch, heads) -> tuple[bool, str]:
+    """Whether the kernels' grids hold `batch` and `heads` (query heads: pack-GQA would
+    need fewer, but the plain layout must fit too). Symbolic sizes (jax.export) are
+    checked by the handler at run time."""
+    for name, size in (("batch", batch), ("heads Hq", heads)):
+        if isinstance(size, int) and size > GRID_YZ_LIMIT:
+            return False, (f"the kernels take {name} <= {GRID_YZ_LIMIT} (a grid "
+                           f"dimension); got {size}")
+    return True, ""
 
 
 def _check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:

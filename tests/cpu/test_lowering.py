@@ -83,10 +83,13 @@ def test_default_falls_back_statically(built, q, kwargs):
     assert fwd_calls(functools.partial(jax_fa4.attention, **kwargs), q, kv, kv) == []
 
 
-def test_non_hopper_gpus_get_the_reference(built, monkeypatch):
+def test_only_hopper_gpus_get_the_kernel(built, monkeypatch):
+    # Other GPUs take the fallback (tests/cpu/test_fallback.py), decided statically.
     q = sds(1, 8, 2, 64)
     monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("8.0"),))
-    assert fwd_calls(jax_fa4.attention, q, q, q) == []
+    with pytest.warns(RuntimeWarning, match="need Hopper"):
+        assert _api._plan(q, q, q, causal=False, softmax_scale=None, return_lse=False,
+                          implementation=None).path == "cudnn"
     monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
     assert len(fwd_calls(jax_fa4.attention, q, q, q)) == 1
 

@@ -134,7 +134,7 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
     dict(sinks=True),
     dict(softcap=2.0, causal=True),
 ])
-def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
+def test_segment_kernel_path_equals_the_reference_path(built, paths, kwargs):
     """On CPU the segment kernel path runs the reference from rows and keys: its out,
     lse and gradients equal the reference path's (lengths and sinks: padding rows keep
     lse = -inf)."""
@@ -156,7 +156,7 @@ def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
                       **{n: x for n, x in kwargs.items() if n != "causal"}, **arrays)
     assert spec.path == "platform" and spec.segments
 
-    _assert_paths_agree(lambda implementation, q, k, v: jax_fa4.attention(
+    paths.assert_agree(lambda implementation, q, k, v: jax_fa4.attention(
         q, k, v, return_lse=True, **kwargs, **arrays, implementation=implementation),
         q, k, v)
 
@@ -165,7 +165,7 @@ def test_segment_kernel_path_equals_the_reference_path(built, kwargs):
     dict(causal=True, sinks=True),
     dict(window=(3, 7), alignment="top_left", softcap=2.0),
 ])
-def test_varlen_kernel_path_equals_the_reference_path(built, kwargs):
+def test_varlen_kernel_path_equals_the_reference_path(built, paths, kwargs):
     """attention_varlen's kernel path (on CPU: the reference from varlen rows and keys)
     against its reference path, with empty sequences and rows outside every sequence."""
     cu_q = jnp.array([2, 20, 20, 51, 60], jnp.int32)
@@ -179,37 +179,12 @@ def test_varlen_kernel_path_equals_the_reference_path(built, kwargs):
     call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=31, max_seqlen_k=37,
                 return_lse=True, **kwargs)
     spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
-        q, k, v, softmax_scale=None, **{"causal": False, **call}), None)
+        q, k, v, softmax_scale=None, **{"causal": False, **call}), None,
+        _api._sizes(q, k, varlen=True))
     assert spec.path == "platform" and spec.segments
 
-    out, lse = _assert_paths_agree(
+    out, lse = paths.assert_agree(
         lambda implementation, q, k, v: jax_fa4.attention_varlen(
             q, k, v, **call, implementation=implementation), q, k, v)
     assert out.shape == (64, 4, 64) and lse.shape == (4, 64)
     assert np.isinf(lse[:, :2]).all() and np.isinf(lse[:, 60:]).all()
-
-
-def _assert_paths_agree(attend, q, k, v):
-    """attend(implementation, q, k, v) -> (out, lse): the default path (the kernel path,
-    on CPU the reference from rows and keys) against implementation="reference": out,
-    lse (-inf where the reference's is) and the gradients. Returns the default's out,
-    lse."""
-    def run(implementation):
-        def loss(q, k, v):
-            out, lse = attend(implementation, q, k, v)
-            finite_lse = jnp.where(jnp.isfinite(lse), lse, 0)
-            return jnp.sum(out.astype(jnp.float32)) + jnp.sum(finite_lse), (out, lse)
-
-        return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
-
-    (_, (out, lse)), grads = run(None)
-    (_, (ref_out, ref_lse)), ref_grads = run("reference")
-    np.testing.assert_array_equal(np.isinf(lse), np.isinf(ref_lse))
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref_out, np.float32),
-                               atol=1e-2)
-    np.testing.assert_allclose(np.where(np.isinf(lse), 0, lse),
-                               np.where(np.isinf(ref_lse), 0, ref_lse), rtol=1e-5, atol=1e-5)
-    for g, r in zip(grads, ref_grads):
-        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
-                                   atol=3e-2)
-    return out, lse

@@ -578,7 +578,8 @@ def test_varlen_kernels_partition_over_heads_and_the_packed_axis(built, mesh):
     call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=25,
                 causal=True)
     spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
-        q, k, v, softmax_scale=None, return_lse=False, **call), None)
+        q, k, v, softmax_scale=None, return_lse=False, **call), None,
+        _api._sizes(q, k, varlen=True))
     assert spec.path == "platform" and spec.segments, spec
 
     def loss(implementation, q, k, v, dout):
@@ -624,7 +625,8 @@ def test_causal_varlen_ring_runs_in_zigzag_halves(built, mesh):
                 cu_seqlens_k=jnp.array([0, 9, 16, 24], jnp.int32),
                 max_seqlen_q=12, max_seqlen_k=9, causal=True, return_lse=True)
     spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
-        q, k, v, softmax_scale=None, **call), None)
+        q, k, v, softmax_scale=None, **call), None,
+        _api._sizes(q, k, varlen=True))
 
     def attend(implementation, q, k, v):
         return jax_fa4.attention_varlen(q, k, v, implementation=implementation, **call)

@@ -92,7 +92,7 @@ def test_cute_without_native_module(monkeypatch):
     monkeypatch.setattr(_registry, "_ffi", None)
     with pytest.raises(NotImplementedError, match=r"jax_fa4._ffi is not built \(pip install .\)"):
         jax_fa4.attention(Q, KV, KV, implementation="cute")
-    assert jax_fa4.supports(Q, KV, KV) == (False, _registry.NOT_BUILT)
+    assert jax_fa4.supports(Q, KV, KV)[1].startswith(_registry.NOT_BUILT + ";")
 
 
 @pytest.mark.parametrize("q,k,v,kwargs,match", [
@@ -115,14 +115,17 @@ def test_cute_capability_gaps(built, monkeypatch, q, k, v, kwargs, match):
 def test_supports_reasons(built, monkeypatch):
     monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
     f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
-    assert jax_fa4.supports(f32, f32, f32) == (
-        False, "dtype float32 has no kernel; the kernels take bfloat16 or float16")
+    support = jax_fa4.supports(f32, f32, f32)
+    assert support == (False, "dtype float32 has no kernel; the kernels take bfloat16 or "
+                       "float16; implementation=None runs the pure-JAX reference")
+    assert support.path == "reference"
 
     class Hopper:
         compute_capability = "9.0"
 
     monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
     assert jax_fa4.supports(Q, KV, KV, causal=True) == (True, "")
+    assert jax_fa4.supports(Q, KV, KV, causal=True).path == "kernel"
     assert jax_fa4.supports(Q, KV, KV, implementation="reference") == (True, "")
 
 
