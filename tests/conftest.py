@@ -1,6 +1,9 @@
 """Markers shared by tests/cpu and tests/gpu.
 
-gpu: needs a CUDA GPU and the built native module; skipped elsewhere.
+gpu: needs a CUDA GPU and the built native module; skipped elsewhere. Each GPU test
+    has a time limit (GPU_TEST_TIMEOUT_S, through pytest-timeout, part of the `test`
+    extra): a kernel that hangs (the deterministic backward's semaphore wait) fails
+    its test instead of stalling the suite.
 native: needs the built native module jax_fa4._ffi (no GPU); skipped in a source
     checkout that was not built, unless JAX_FA4_REQUIRE_NATIVE=1 (set by `run.sh test`,
     hence CI), which turns a missing module into an error.
@@ -15,6 +18,11 @@ os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
+
+# Seconds per GPU test. The slowest cases (the 2^31-element test, command-buffer
+# subprocesses) take about a minute on an H100; a hang is cut off by a thread that dumps
+# the stacks and ends the worker, since a blocked CUDA call never returns to a signal.
+GPU_TEST_TIMEOUT_S = 600
 
 # The kernels and the reference are 32-bit; keep 64-bit types out of every test.
 jax.config.update("jax_enable_x64", False)
@@ -46,7 +54,13 @@ def pytest_collection_modifyitems(config, items):
     not_built = _registry.native_reason()
     if not_built and os.environ.get("JAX_FA4_REQUIRE_NATIVE") == "1":
         raise pytest.UsageError(f"JAX_FA4_REQUIRE_NATIVE=1 but {not_built}")
+    timeout = config.pluginmanager.hasplugin("timeout")
+    if timeout is False and backend == "gpu" and not os.environ.get("JAX_FA4_NO_TIMEOUT"):
+        raise pytest.UsageError("the GPU tests need pytest-timeout (pip install "
+                                "pytest-timeout, or set JAX_FA4_NO_TIMEOUT=1)")
     for item in items:
+        if "gpu" in item.keywords and timeout:
+            item.add_marker(pytest.mark.timeout(GPU_TEST_TIMEOUT_S, method="thread"))
         if "gpu" in item.keywords and backend != "gpu":
             item.add_marker(pytest.mark.skip(
                 reason=f"needs a GPU; jax.default_backend() is {backend!r}"))

@@ -1,5 +1,6 @@
 """The kernels inside XLA command buffers (CUDA graphs), forced on for custom calls: the
-forward, and the backward with its XLA-allocated workspaces in both dq modes.
+forward, and the backward with its XLA-allocated workspaces in both dq modes; segment
+ids and varlen offsets that change between replays of one recorded graph.
 
 XLA reads XLA_FLAGS once, when the backend starts, so the jitted function runs in a
 subprocess; it saves its inputs, outputs and compiled HLO, and this process checks them.
@@ -8,6 +9,7 @@ the compiled HLO; XLA's dump of the thunk sequence shows them (`kCommandBuffer`,
 the thunks it holds indented below it).
 """
 
+import functools
 import os
 import pathlib
 import re
@@ -15,6 +17,7 @@ import subprocess
 import sys
 import textwrap
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -90,6 +93,52 @@ BACKWARD_SCRIPT = textwrap.dedent("""
             saved[f"extra_{i}_{j}"] = np.asarray(extra)
         for name, x in (("q", q2), ("k", k), ("v", v), ("dout", dout), ("dlse", dlse)):
             saved[f"{name}_{i}"] = np.asarray(x, np.float32)  # bf16 -> f32 is exact
+    np.savez(sys.argv[1], **saved)
+""")
+
+
+# Segment and varlen calls whose runtime arrays change between replays; the parent
+# process runs the same functions without forced command buffers to compare.
+SEGMENT_FUNCTIONS = textwrap.dedent("""
+    import functools
+    import jax, jax.numpy as jnp, numpy as np
+    import jax_fa4
+
+    S = 600
+
+    def loss(q, k, v, cu, ids):
+        varlen = jax_fa4.attention_varlen(
+            q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=S,
+            max_seqlen_k=S, causal=True, implementation="cute", deterministic=True)
+        segments = jax_fa4.attention(q, k, v, q_segment_ids=ids, kv_segment_ids=ids,
+                                     causal=True, implementation="cute", deterministic=True)
+        return (jnp.sum(varlen.astype(jnp.float32) ** 2)
+                + jnp.sum(segments.astype(jnp.float32) ** 2), (varlen, segments))
+
+    @jax.jit
+    def segments_in_graph(q, k, v, cu, ids):
+        q = (q.astype(jnp.float32) * 2).astype(q.dtype)
+        return jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v, cu, ids)
+
+    def inputs():
+        q, k, v = (jax.random.normal(key, (2, S, 4, 128), jnp.float32).astype(jnp.bfloat16)
+                   for key in jax.random.split(jax.random.key(3), 3))
+        # Offsets in range, with an empty sequence, and out of range (clipped by contract).
+        offsets = ([0, 100, 350, S], [0, 0, 512, S], [0, 300, 900, 200])
+        rng = np.random.default_rng(0)
+        ids = [np.sort(rng.integers(0, n, (2, S)), -1) for n in (2, 5, 9)]
+        return (q, k, v), [(jnp.array(c, jnp.int32), jnp.asarray(i, jnp.int32))
+                           for c, i in zip(offsets, ids)]
+""")
+
+SEGMENT_SCRIPT = SEGMENT_FUNCTIONS + textwrap.dedent("""
+    import sys
+    (q, k, v), arrays = inputs()
+    saved = {"hlo": np.array(segments_in_graph.lower(q, k, v, *arrays[0]).compile().as_text())}
+    for i, (cu, ids) in enumerate(arrays * 2):  # every value twice, in one recorded graph
+        result = segments_in_graph(q, k, v, cu, ids)
+        for j, x in enumerate(jax.tree.leaves(result)):
+            saved[f"result_{i}_{j}"] = np.asarray(x, np.float32)
     np.savez(sys.argv[1], **saved)
 """)
 
@@ -179,3 +228,20 @@ def test_backward_in_forced_command_buffer(fa, tmp_path):
             for name in ("dq", "dk", "dv"):
                 np.testing.assert_array_equal(saved[f"{name}_det_{i}_{j}"],
                                               saved[f"{name}_det_{i}_0"])
+
+
+def test_segments_and_varlen_with_changing_offsets_in_command_buffers(tmp_path):
+    saved, targets, in_buffers = _run_with_forced_command_buffers(
+        SEGMENT_SCRIPT, "segments_in_graph", tmp_path)
+    assert targets.count("jax_fa4_fwd") >= 2 and targets.count("jax_fa4_bwd") == 2, targets
+    assert in_buffers, "no custom call inside a command buffer"
+    here = {}
+    exec(SEGMENT_FUNCTIONS, here)  # the same functions, without forced command buffers
+    (q, k, v), arrays = here["inputs"]()
+    for i, (cu, ids) in enumerate(arrays * 2):
+        want = jax.tree.leaves(here["segments_in_graph"](q, k, v, cu, ids))
+        for j, x in enumerate(want):  # the loss, then the outputs and gradients
+            compare = (functools.partial(np.testing.assert_allclose, rtol=1e-6) if j == 0
+                       else np.testing.assert_array_equal)
+            compare(saved[f"result_{i}_{j}"], np.asarray(x, np.float32),
+                    err_msg=f"offsets {i % 3}, result {j}")

@@ -1,0 +1,32 @@
+"""Softcap's accuracy: the kernels compute tanh with the hardware's approximation
+(tanh.approx.f32, kernels/sm90/softcap.py). Measured here against the float32 reference
+and next to the same call without a cap; README (Supported matrix) quotes the printed
+numbers, and the bound below is twice the largest of them."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+
+pytestmark = pytest.mark.gpu
+
+LSE_BOUND = 2e-5  # twice the largest max|lse - ref| measured with a cap (README)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("softcap", [None, 2.0, 30.0])
+def test_softcap_error(fa, head_dim, softcap):
+    q, k, v, _, _ = fa.problem(47, "bfloat16", 2, 1000, 1000, 4, 4, head_dim)
+    attn = jax.jit(functools.partial(jax_fa4.attention, causal=True, softcap=softcap,
+                                     return_lse=True, implementation="cute"))
+    out, lse = attn(q, k, v)
+    (ref_out, ref_lse), _ = fa.references(q, k, v, causal=True, softcap=softcap)
+    lse_err = float(jnp.max(jnp.abs(lse - ref_lse)))
+    out_err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref_out)))
+    print(f"\nsoftcap {softcap} d{head_dim}: max|lse - ref| {lse_err:.2e}, "
+          f"max|out - ref| {out_err:.2e}")
+    assert np.isfinite(lse_err) and lse_err <= LSE_BOUND
