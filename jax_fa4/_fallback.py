@@ -101,9 +101,13 @@ def warn_once(reason: str, path: str) -> None:
     """One RuntimeWarning per distinct (reason, path) in a process."""
     runs = {"cudnn": "cuDNN through jax.nn.dot_product_attention",
             "reference": "the pure-JAX reference (O(Sq * Sk) memory per head)"}[path]
-    message = (f"jax_fa4: the kernels cannot run this call on this GPU ({reason}); "
-               f"running {runs} instead. Pass implementation='reference' or 'cute' to "
-               "choose explicitly.")
+    warn_message_once(f"jax_fa4: the kernels cannot run this call on this GPU ({reason}); "
+                      f"running {runs} instead. Pass implementation='reference' or 'cute' "
+                      "to choose explicitly.")
+
+
+def warn_message_once(message: str) -> None:
+    """A RuntimeWarning the first time `message` is seen in a process."""
     if message not in _warned:
         _warned.add(message)
         # Attributed to the caller's line, the first frame outside this package.
