@@ -1,0 +1,109 @@
+"""`python -m bench.plot`: TFLOP/s against sequence length, per head dim and mask, of
+the standard cells (16k tokens per batch, hidden 2048, bf16) in `bench/results/*.jsonl`:
+jax_fa4 (atomic and deterministic backward) next to cuDNN and upstream FlashAttention-4.
+
+One PNG per pass (forward.png, backward.png) in --out, a panel per (mask, head dim).
+A cell measured in several files takes the last file's value (names sort by date).
+Needs matplotlib (`pip install matplotlib`); README shows the PNGs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from bench.run import HIDDEN, TOKENS
+
+RESULTS = pathlib.Path(__file__).with_name("results")
+OUT = pathlib.Path(__file__).resolve().parents[1] / "docs" / "plots"
+
+# (backend, mode) -> how a line is drawn; the keys are also the legend's order.
+LINES = {
+    ("jax_fa4", "fwd"): dict(label="jax_fa4", color="tab:red", lw=2.5, marker="o"),
+    ("jax_fa4", "bwd"): dict(label="jax_fa4", color="tab:red", lw=2.5, marker="o"),
+    ("jax_fa4", "bwd_det"): dict(label="jax_fa4 deterministic", color="tab:red", lw=1.5,
+                                 ls="--", marker="."),
+    ("jax_cudnn", "fwd"): dict(label="cuDNN (jax.nn)", color="tab:blue", marker="s"),
+    ("jax_cudnn", "bwd"): dict(label="cuDNN (jax.nn)", color="tab:blue", marker="s"),
+    ("fa4_cute", "fwd"): dict(label="FlashAttention-4 (PyTorch)", color="tab:gray",
+                              marker="^"),
+    ("fa4_cute", "bwd"): dict(label="FlashAttention-4 (PyTorch)", color="tab:gray",
+                              marker="^"),
+}
+PASSES = {"forward": ("fwd",), "backward": ("bwd", "bwd_det")}
+# Fields that make a cell something other than a standard one.
+FEATURES = ("h_kv", "window", "softcap", "documents", "sq", "dv", "err")
+
+
+def standard_cells(paths) -> dict:
+    """{(backend, mode, d, causal, s): (tflops, date)} of the standard cells."""
+    cells = {}
+    for path in sorted(paths):
+        for line in pathlib.Path(path).read_text().splitlines():
+            r = json.loads(line)
+            if (r.get("mode") == "error" or any(f in r for f in FEATURES)
+                    or r.get("dtype", "bfloat16") != "bfloat16"
+                    or r["b"] * r["s"] != TOKENS or r["h"] * r["d"] != HIDDEN):
+                continue
+            key = (r["backend"], r["mode"], r["d"], bool(r["causal"]), r["s"])
+            cells[key] = (r["tflops"], r.get("date", ""))
+    return cells
+
+
+def draw(cells: dict, out: pathlib.Path) -> list[pathlib.Path]:
+    import matplotlib
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    out.mkdir(parents=True, exist_ok=True)
+    head_dims = sorted({d for (_, _, d, _, _) in cells})
+    dates = sorted({date for _, date in cells.values() if date})
+    written = []
+    for name, modes in PASSES.items():
+        fig, axes = plt.subplots(2, len(head_dims), figsize=(4 * len(head_dims), 7),
+                                 sharex=True, squeeze=False)
+        for row, causal in enumerate((False, True)):
+            for col, d in enumerate(head_dims):
+                ax = axes[row][col]
+                for (backend, mode), style in LINES.items():
+                    if mode not in modes:
+                        continue
+                    points = sorted((s, t) for (b, m, dd, c, s), (t, _) in cells.items()
+                                    if (b, m, dd, c) == (backend, mode, d, causal))
+                    if points:
+                        ax.plot(*zip(*points), **style)
+                ax.set_xscale("log", base=2)
+                ax.set_title(f"head_dim {d}, {'causal' if causal else 'no mask'}")
+                ax.grid(alpha=0.3)
+                if col == 0:
+                    ax.set_ylabel("TFLOP/s")
+                if row == 1:
+                    ax.set_xlabel("sequence length (16k tokens per batch)")
+        handles, labels = axes[0][0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), frameon=False)
+        fig.suptitle(f"{name.capitalize()}, bf16, H100 ({', '.join(dates)})")
+        fig.tight_layout(rect=(0, 0.05, 1, 0.96))
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=80)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--results", type=pathlib.Path, default=RESULTS,
+                    help="folder of JSON lines from bench.run (and the peers' anchors)")
+    ap.add_argument("--out", type=pathlib.Path, default=OUT)
+    args = ap.parse_args()
+    paths = sorted(args.results.glob("*.jsonl"))
+    if not paths:
+        ap.error(f"no *.jsonl in {args.results}")
+    cells = standard_cells(paths)
+    for path in draw(cells, args.out):
+        print(f"wrote {path} ({len(cells)} cells from {len(paths)} files)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""bench.plot: which JSON lines are standard cells, which value a cell keeps, and that
+both plots are written."""
+
+import importlib
+import json
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def plot(monkeypatch):
+    """bench.plot, from the checkout (the tests import the installed jax_fa4)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    return importlib.import_module("bench.plot")
+
+
+def _line(**fields):
+    base = dict(backend="jax_fa4", dtype="bfloat16", b=8, s=2048, h=16, d=128,
+                causal=False, mode="fwd", tflops=600.0, date="2026-11-24")
+    return json.dumps({**base, **fields})
+
+
+def test_standard_cells_and_the_last_file_wins(plot, tmp_path):
+    older, newer = tmp_path / "2026-11-22-h100.jsonl", tmp_path / "2026-11-24-h100.jsonl"
+    older.write_text("\n".join([
+        _line(tflops=500.0, date="2026-11-22"),
+        _line(backend="jax_cudnn", causal=True, tflops=550.0, date="2026-11-22"),
+    ]))
+    newer.write_text("\n".join([
+        _line(),
+        _line(h_kv=8, tflops=1.0),  # GQA: not a standard cell
+        _line(window=1024, tflops=2.0),
+        _line(b=1, tflops=3.0),  # not 16k tokens per batch
+        _line(dtype="float16", tflops=4.0),
+        _line(mode="error", err="RuntimeError()"),
+        _line(mode="bwd_det", d=64, h=32, tflops=390.0),
+    ]))
+    cells = plot.standard_cells([newer, older])  # sorted by name inside
+    assert cells == {
+        ("jax_fa4", "fwd", 128, False, 2048): (600.0, "2026-11-24"),
+        ("jax_cudnn", "fwd", 128, True, 2048): (550.0, "2026-11-22"),
+        ("jax_fa4", "bwd_det", 64, False, 2048): (390.0, "2026-11-24"),
+    }
+
+
+def test_draws_both_passes(plot, tmp_path):
+    cells = {("jax_fa4", mode, d, causal, s): (100.0 + s / 100, "2026-11-24")
+             for mode in ("fwd", "bwd", "bwd_det") for d in (64, 128)
+             for causal in (False, True) for s in (512, 2048)}
+    written = plot.draw(cells, tmp_path / "plots")
+    assert [p.name for p in written] == ["forward.png", "backward.png"]
+    for path in written:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
