@@ -21,8 +21,11 @@ if [ -n "$needed" ]; then
   echo "the native module needs more than libc:"$'\n'"$needed" >&2
   exit 1
 fi
-env -i HOME="$HOME" PATH=/usr/bin:/bin "$clean/bin/python" - <<'PY'
+# From an empty folder, so that the checkout's own jax_fa4 cannot stand in for the wheel's.
+cd "$(mktemp -d)"
+env -i HOME="$HOME" PATH=/usr/bin:/bin "$clean/bin/python" - "$clean" <<'PY'
 import importlib.util
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +34,7 @@ import numpy as np
 import jax_fa4
 from jax_fa4 import _registry
 
+assert jax_fa4.__file__.startswith(sys.argv[1]), f"not the wheel's: {jax_fa4.__file__}"
 assert importlib.util.find_spec("cutlass") is None, "CuTe-DSL is installed"
 assert not _registry.native_reason(), _registry.native_reason()
 kernels = jax_fa4.kernels()
