@@ -187,9 +187,7 @@ def supports(q, k, v, **kwargs) -> Support:
     if ok:
         return Support(True, "", "kernel")
     path, why = _fallback_path(spec, sizes)
-    runs = {"cudnn": "cuDNN through jax.nn.dot_product_attention",
-            "reference": "the pure-JAX reference"}[path]
-    return Support(False, f"{reason}; implementation=None runs {runs}"
+    return Support(False, f"{reason}; implementation=None runs {_fallback.RUNS[path]}"
                    + (f" ({why})" if why else ""), path)
 
 

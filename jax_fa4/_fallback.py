@@ -26,6 +26,10 @@ from jax_fa4._spec import AttentionSpec
 # (with a warning) instead of raising.
 ALLOW_NO_NATIVE = "JAX_FA4_ALLOW_NO_NATIVE"
 
+# What each fallback path is, in words for the warning and `supports`.
+RUNS = {"cudnn": "cuDNN through jax.nn.dot_product_attention",
+        "reference": "the pure-JAX reference (O(Sq * Sk) memory per head)"}
+
 _warned: set[str] = set()
 
 
@@ -99,10 +103,8 @@ def native_allowed() -> bool:
 
 def warn_once(reason: str, path: str) -> None:
     """One RuntimeWarning per distinct (reason, path) in a process."""
-    runs = {"cudnn": "cuDNN through jax.nn.dot_product_attention",
-            "reference": "the pure-JAX reference (O(Sq * Sk) memory per head)"}[path]
     warn_message_once(f"jax_fa4: the kernels cannot run this call on this GPU ({reason}); "
-                      f"running {runs} instead. Pass implementation='reference' or 'cute' "
+                      f"running {RUNS[path]} instead. Pass implementation='reference' or 'cute' "
                       "to choose explicitly.")
 
 
