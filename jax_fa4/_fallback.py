@@ -4,10 +4,11 @@ the user is told once, with the reason.
 
 cuDNN's flash attention in `jax.nn` takes bf16 / fp16 with D = Dv, a multiple of 8, up
 to 128 (256 from Hopper on), GQA, a top-left causal mask with an optional left window,
-and lengths; jax 0.11 refuses its backward for odd Sq or Sk (seen on an H100), and
-whether a gradient follows is not known here, so odd lengths take the reference. It has no softcap, sinks, segment ids or packed sequences, returns its lse
-in the output dtype (too coarse for `return_lse`), and its backward is not documented
-as reproducible: those calls run the reference.
+and lengths. jax 0.11 refuses its backward for odd Sq or Sk (seen on an H100), and
+whether a gradient follows is not known here, so odd lengths take the reference. It has
+no softcap, sinks, segment ids or packed sequences, returns its lse in the output dtype
+(too coarse for `return_lse`), and its backward is not documented as reproducible:
+those calls run the reference.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def cudnn_support(spec: AttentionSpec, seqlen_q: int, seqlen_k: int,
             return False, f"jax.nn's cuDNN path has no {what}"
     if spec.window_right is not None or (spec.window_left is not None and not spec.causal):
         return False, "cuDNN's windows are causal with a left side only"
+    # No right side is left here, so a band is causal.
     lengths = spec.has_q_lengths or spec.has_kv_lengths
-    banded = spec.causal  # no right side here, so a band is causal
-    if banded and spec.alignment == "bottom_right" and (lengths or seqlen_q != seqlen_k):
+    if spec.causal and spec.alignment == "bottom_right" and (lengths or seqlen_q != seqlen_k):
         return False, "cuDNN's causal mask is top-left: bottom-right needs Sq == Sk, no lengths"
     return True, ""
 

@@ -41,14 +41,14 @@ def _segment_operands(segments, kernel, make_plan):
     return rows, keys, make_plan(rows, keys, kernel["tile_m"], kernel["tile_n"])
 
 
-def _check_backward_sizes(kernel, sq, sk, head_dim) -> None:
+def _check_backward_sizes(kernel, sq, sq_pad, sk, head_dim) -> None:
     """The backward's limits (ffi/attention_bwd.cc), refused while tracing rather than at
     the launch: its key blocks are a grid dimension (<= 65535) and its fp32 dq
-    accumulator is indexed in int32. Symbolic sizes (jax.export) are left to the handler."""
-    if not isinstance(sq, int) or not isinstance(sk, int):
+    accumulator (sq_pad * D per row) is indexed in int32. Symbolic sizes (jax.export)
+    are left to the handler."""
+    if not isinstance(sq_pad, int) or not isinstance(sk, int):
         return
     blocks = -(-sk // kernel["tile_n"])
-    sq_pad = -(-sq // kernel["tile_m"]) * kernel["tile_m"]
     if blocks > GRID_YZ_LIMIT or sq_pad * head_dim >= 1 << 31:
         raise ValueError(
             f"the backward kernel {kernel['name']} takes at most {GRID_YZ_LIMIT} key blocks "
@@ -66,10 +66,10 @@ def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
     WorkspaceExtents, which the handler checks against these shapes)."""
     kernel = spec.bwd_kernel
     *lead, sq, heads, head_dim = q.shape
-    _check_backward_sizes(kernel, sq, k.shape[-3], head_dim)
     tile_m = kernel["tile_m"]
     tiles = (sq + tile_m - 1) // tile_m  # symbolic sizes (jax.export) allow this
     sq_pad = tiles * tile_m
+    _check_backward_sizes(kernel, sq, sq_pad, k.shape[-3], head_dim)
 
     def rows(extent, dtype=jnp.float32):
         return jax.ShapeDtypeStruct((*lead, heads, extent), dtype)

@@ -82,7 +82,8 @@ LENGTHS = {
 }
 
 
-@pytest.mark.parametrize("kwargs", [{"causal": True}, {"window": (30, 5)}], ids=["causal", "window"])
+@pytest.mark.parametrize("kwargs", [{"causal": True}, {"window": (30, 5)}],
+                         ids=["causal", "window"])
 @pytest.mark.parametrize("name", LENGTHS)
 def test_lengths_out_of_range(fa, name, kwargs):
     sq, sk = 203, 300
