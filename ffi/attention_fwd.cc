@@ -8,7 +8,10 @@
 // (f32, 0: none; else the banded kernel's softcap variant). Three more int32 operands
 // after v select the segment variant of the banded kernel: rows (..., 3, Sq), keys
 // (..., Sk) and the plan (..., query tiles, 1 + key blocks) (kernels/sm90/segments.py);
-// the band attributes are then unused, the rows carry it.
+// the band attributes are then unused, the rows carry it. num_splits (i32) > 1 selects
+// the split-KV variant of the banded kernel: the results are then fp32 partials, out
+// (..., num_splits, Sq, H, Dv) normalized per split and lse (..., num_splits, H, Sq),
+// which jax_fa4 combines (an empty split gives 0 and -inf).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
@@ -41,7 +44,7 @@ struct FwdProblem {
 // Validates the operands and picks the kernel; shared by both stages.
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                 const ffi::AnyBuffer& v, bool causal, float softcap,
-                                bool segments) {
+                                bool segments, int32_t num_splits) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
   if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
@@ -70,23 +73,30 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   if (!ValidSoftcap(softcap, causal))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
                                        "> 0 only with causal (the banded kernel)");
+  if (num_splits < 1 || num_splits > kMaxSplits || (num_splits > 1 && !causal))
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: num_splits must be in [1, " +
+                                       std::to_string(kMaxSplits) +
+                                       "], and > 1 only with causal (the banded kernel)");
+  const bool split = num_splits > 1;
   p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
-                           causal, softcap > 0.0f, segments);
+                           causal, softcap > 0.0f, segments, split);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        HeadDims(p.head_dim, p.head_dim_v) +
                                        (causal ? ", causal" : ", non-causal") +
                                        (softcap > 0.0f ? ", softcap" : "") +
-                                       (segments ? ", segments" : "") + ": " + shapes);
+                                       (segments ? ", segments" : "") +
+                                       (split ? ", split" : "") + ": " + shapes);
   return p;
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse*/,
                          bool causal, float /*softmax_scale*/, int32_t /*window_left*/,
-                         int32_t /*window_right*/, bool /*top_left*/, float softcap) {
-  auto problem = Select(q, k, v, causal, softcap, segments.size() > 0);
+                         int32_t /*window_right*/, bool /*top_left*/, float softcap,
+                         int32_t num_splits) {
+  auto problem = Select(q, k, v, causal, softcap, segments.size() > 0, num_splits);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -95,8 +105,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::AnyBuffer v, ffi::RemainingArgs segment_args,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                       bool causal, float softmax_scale, int32_t window_left,
-                      int32_t window_right, bool top_left, float softcap) {
-  auto problem = Select(q, k, v, causal, softcap, segment_args.size() > 0);
+                      int32_t window_right, bool top_left, float softcap,
+                      int32_t num_splits) {
+  auto problem = Select(q, k, v, causal, softcap, segment_args.size() > 0, num_splits);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
@@ -106,9 +117,11 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                1 + key_blocks);
   if (segments.has_error()) return segments.error();
 
-  if (out->element_type() != q.element_type() ||
-      out->element_count() != p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
-      lse->element_count() != p.batch * p.heads * p.seqlen_q)
+  const bool split = num_splits > 1;
+  const ffi::DataType out_type = split ? ffi::DataType::F32 : q.element_type();
+  if (out->element_type() != out_type ||
+      out->element_count() != num_splits * p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
+      lse->element_count() != num_splits * p.batch * p.heads * p.seqlen_q)
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
     return ffi::Error::InvalidArgument(where + ": softmax_scale must be finite and > 0");
@@ -116,8 +129,11 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (p.seqlen_k == 0)
     return ffi::Error::InvalidArgument(where + ": seqlen_k must be >= 1 (handled in Python)");
   // Grid (query tiles, heads, batch); the export ABI holds sizes as int32.
+  // Split kernels: grid x is query tiles * num_splits, and the partials' batch
+  // num_splits * batch.
   if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || p.seqlen_q > kInt32Max ||
-      p.seqlen_k > kInt32Max)
+      p.seqlen_k > kInt32Max || q_tiles * num_splits > kInt32Max ||
+      p.batch * num_splits > kInt32Max)
     return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
                                        "sequence lengths < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
@@ -144,6 +160,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                band.lo,
                band.hi,
                SoftcapScale(softmax_scale, softcap)};
+  args.num_splits = num_splits;
+  args.split_batch = static_cast<int32_t>(p.batch * num_splits);
   segments->Into(args);
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
@@ -164,7 +182,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Attr<int32_t>("window_left")   // unused here
                                   .Attr<int32_t>("window_right")  // unused here
                                   .Attr<bool>("top_left")         // unused here
-                                  .Attr<float>("softcap"));       // selects the kernel
+                                  .Attr<float>("softcap")         // selects the kernel
+                                  .Attr<int32_t>("num_splits"));  // selects the kernel
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -181,5 +200,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
                                   .Attr<bool>("top_left")
-                                  .Attr<float>("softcap"),
+                                  .Attr<float>("softcap")
+                                  .Attr<int32_t>("num_splits"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -25,6 +25,8 @@ constexpr int kMaxGridYZ = 65535;  // grids are (tiles, heads, batch)
 constexpr int kHopperMajor = 9;
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 constexpr float kLog2e = 1.4426950408889634f;
+// Split-KV: at most this many splits of a tile's key blocks (jax_fa4/_split_kv.py).
+constexpr int32_t kMaxSplits = 128;
 
 // The band lo <= j - i <= hi of the banded kernels (kernels/sm90/mask.py): the
 // alignment offset (bottom-right Sk - Sq, top-left 0) minus the window's left side and

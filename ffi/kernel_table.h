@@ -38,6 +38,12 @@ struct FwdArgs {
   void* plan;          // (batch, plan_tiles, plan_len): per tile, the blocks it visits
   int32_t plan_tiles;
   int32_t plan_len;
+  // Split kernels: the grid also runs over num_splits runs of each tile's key blocks, and
+  // o and lse are fp32 partials (batch * num_splits, seqlen_q, heads, head_dim_v) and
+  // (batch * num_splits, heads, seqlen_q), batch-major. Others ignore these: num_splits
+  // is 1 and split_batch is batch.
+  int32_t num_splits;
+  int32_t split_batch;  // batch * num_splits
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
@@ -93,6 +99,7 @@ struct Kernel {
   bool causal;   // the banded variant (runtime band)
   bool softcap;  // scores capped as softcap * tanh(scores / softcap); banded only
   bool segments;  // visibility from per-row arrays and a plan (FwdArgs); banded only
+  bool split;     // forward split-KV: fp32 partials per split (FwdArgs); banded only
   int tile_m;
   int tile_n;
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
@@ -112,7 +119,7 @@ const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
 const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
-                               bool softcap, bool segments);
+                               bool softcap, bool segments, bool split);
 const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
                                bool softcap, bool segments);
 

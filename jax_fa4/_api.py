@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import (_fallback, _masks, _pack_gqa, _registry, _segment_plan, _sharding,
-                     _vjp)
+                     _split_kv, _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec, grid_support
 
@@ -34,6 +34,10 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     GQA / MQA: Hkv must divide Hq; query head h reads KV head h // (Hq // Hkv). With few
         query rows (decode steps) the kernels run a group's query heads as rows of one
         problem, reading K/V once per group (pack-GQA, `_pack_gqa`).
+    Split-KV: when the query tiles x heads x batch leave SMs idle (decode steps with few
+        sequences), the forward kernel splits each tile's keys across CTAs and combines
+        their partial results in fp32 (`_split_kv`; fixed per shape, the backward is
+        unchanged).
     Dv: v may have its own head_dim; out has Dv. D 192 / Dv 128 has kernels of its own;
         other head dims the kernels were not built for run on inputs zero-padded to the
         built (D, Dv) that holds them with the least D + Dv (`kernels()`), up to 256.
@@ -131,8 +135,9 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, alignment=alignment,
         window=window, softcap=softcap, sinks=sinks, deterministic=deterministic)
-    spec = _with_packing(_choose_path(spec, implementation, _sizes(q, k, varlen=True)),
-                         q.shape[0])
+    sizes = _sizes(q, k, varlen=True)
+    spec = _with_split(_with_packing(_choose_path(spec, implementation, sizes), q.shape[0]),
+                       sizes)
     cu_seqlens_q = _masks.clip_offsets(cu_seqlens_q, q.shape[0])
     cu_seqlens_k = _masks.clip_offsets(cu_seqlens_k, k.shape[0])
     # The packed axis is the sequence: a unit batch axis gives it the batch-first layout
@@ -193,7 +198,7 @@ def supports(q, k, v, **kwargs) -> Support:
 
 def kernels() -> list[dict]:
     """The compiled kernels (name, kind, arch, dtype, head_dim, head_dim_v, causal,
-    softcap, segments, tile_m, tile_n, and dq_parts for backward kernels);
+    softcap, segments, split, tile_m, tile_n, and dq_parts for backward kernels);
     [] when the native module is not built."""
     return _registry.manifest()
 
@@ -204,8 +209,9 @@ def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
     _check_implementation(implementation)
     spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                      return_lse=return_lse, **features)
-    return _with_packing(_choose_path(spec, implementation, _sizes(q, k, varlen=False)),
-                         q.shape[1])
+    sizes = _sizes(q, k, varlen=False)
+    return _with_split(_with_packing(_choose_path(spec, implementation, sizes), q.shape[1]),
+                       sizes)
 
 
 def _sizes(q, k, *, varlen: bool) -> tuple:
@@ -267,6 +273,31 @@ def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
             and (packed.bwd_kernel is not None or spec.bwd_kernel is None)):
         return packed
     return spec
+
+
+def _with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
+    """Split-KV (`_split_kv`) on the kernel paths, for static sizes whose grid leaves SMs
+    idle, where the split kernel was built. The grid is counted as the kernel sees it:
+    pack-GQA runs each group's query heads as rows of one key/value head."""
+    batch, heads, seqlen_q, seqlen_k = sizes
+    if spec.path not in ("cute", "platform") or not all(
+            isinstance(n, int) for n in sizes):
+        return spec
+    split = dataclasses.replace(spec, num_splits=2).fwd_kernel
+    if split is None:
+        return spec
+    if spec.pack_gqa:
+        heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size
+    ctas = batch * heads * -(-seqlen_q // split["tile_m"])
+    splits = _split_kv.num_splits(ctas, -(-seqlen_k // split["tile_n"]), _sm_count())
+    return dataclasses.replace(spec, num_splits=splits)
+
+
+def _sm_count() -> int:
+    """SMs of the first Hopper GPU; an H100 SXM's 132 when none is visible (a kernel
+    path lowered without one)."""
+    hopper = [d for d in _gpu_devices() if _is_hopper(d)]
+    return getattr(hopper[0], "core_count", 132) if hopper else 132
 
 
 def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, q_lengths,

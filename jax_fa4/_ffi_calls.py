@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _segment_plan
+from jax_fa4 import _segment_plan, _split_kv
 from jax_fa4._sharding import vary_like
 from jax_fa4._spec import GRID_YZ_LIMIT, AttentionSpec
 
@@ -21,15 +21,22 @@ BWD_TARGET = "jax_fa4_bwd"
 def fwd(q, k, v, *segments, spec: AttentionSpec):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of `_segment_plan` for the
-    segment kernels, from which the plan for the forward's tiles is made here."""
+    segment kernels, from which the plan for the forward's tiles is made here. With
+    spec.num_splits > 1 the kernel writes fp32 partials per split (after the batch),
+    combined here (`_split_kv`)."""
     *lead, sq, heads, _ = q.shape
+    splits = (spec.num_splits,) if spec.num_splits > 1 else ()
     results = (
-        jax.ShapeDtypeStruct((*q.shape[:-1], v.shape[-1]), q.dtype),
-        jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32),
+        jax.ShapeDtypeStruct((*lead, *splits, sq, heads, v.shape[-1]),
+                             jnp.float32 if splits else q.dtype),
+        jax.ShapeDtypeStruct((*lead, *splits, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
     extra = _segment_operands(segments, spec.fwd_kernel, _segment_plan.forward_plan)
-    return vary_like((q, k, v), call(q, k, v, *extra, **spec.ffi_attributes()))
+    out, lse = call(q, k, v, *extra, **spec.ffi_attributes())
+    if splits:
+        out, lse = _split_kv.combine(out, lse, q.dtype)
+    return vary_like((q, k, v), (out, lse))
 
 
 def _segment_operands(segments, kernel, make_plan):

@@ -69,6 +69,10 @@ class AttentionSpec:
     # The kernels run each group's query heads as rows of one problem (`_pack_gqa`):
     # chosen by `_api` for grouped calls with few query rows.
     pack_gqa: bool = False
+    # Split-KV (`_split_kv`): the forward kernel cuts each query tile's key blocks into
+    # this many runs, one CTA each, and their partial results are combined; chosen by
+    # `_api` for calls with too few query tiles to fill the GPU. 1: no split.
+    num_splits: int = 1
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -77,6 +81,8 @@ class AttentionSpec:
             raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {self.alignment!r}")
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
+        if not isinstance(self.num_splits, int) or self.num_splits < 1:
+            raise ValueError(f"num_splits must be an int >= 1; got {self.num_splits!r}")
 
     @classmethod
     def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
@@ -243,12 +249,14 @@ class AttentionSpec:
 
     def _find_kernel(self, kind: str, dims: tuple[int, int] | None = None) -> dict | None:
         """The manifest entry of this spec's variant at head dims (D, Dv) (default:
-        kernel_head_dims); None if none was built."""
+        kernel_head_dims); None if none was built. A split forward is a variant of the
+        banded kernel (an unbounded band stands for no mask)."""
         dims = self.kernel_head_dims if dims is None else dims
         if dims is None:
             return None
-        return _registry.find_kernel(kind, self.kernel_dtype, dims, self.banded,
-                                     self.softcap is not None, self.segment_kernel)
+        split = kind == "fwd" and self.num_splits > 1
+        return _registry.find_kernel(kind, self.kernel_dtype, dims, self.banded or split,
+                                     self.softcap is not None, self.segment_kernel, split)
 
     def kernel_support(self) -> tuple[bool, str]:
         """Whether a compiled kernel covers this spec (devices are `_api`'s concern)."""
@@ -280,19 +288,26 @@ class AttentionSpec:
         """Attributes of the `jax_fa4_fwd` custom call: causal (the banded kernel) -> i1,
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
         unbounded; causal is a right side of 0), top_left -> i1 (ffi/handler_common.h
-        MakeBand) and softcap -> f32 (0: none)."""
+        MakeBand), softcap -> f32 (0: none) and num_splits -> i32 (> 1: the banded
+        kernel's split variant)."""
+        split = self.num_splits > 1
+        return {**self._band_attributes(self.banded or split),
+                "num_splits": np.int32(self.num_splits)}
+
+    def bwd_ffi_attributes(self) -> dict:
+        """Attributes of the `jax_fa4_bwd` custom call: the forward's band attributes
+        and deterministic -> i1 (the backward never splits)."""
+        return {**self._band_attributes(self.banded), "deterministic": self.deterministic}
+
+    def _band_attributes(self, banded: bool) -> dict:
         def side(value):  # < 2^31 (_band); MakeBand clamps the band to +-2^30
             return np.int32(-1 if value is None else value)
 
-        return {"causal": self.banded, "softmax_scale": np.float32(self.softmax_scale),
+        return {"causal": banded, "softmax_scale": np.float32(self.softmax_scale),
                 "window_left": side(self.window_left),
                 "window_right": side(0 if self.causal else self.window_right),
                 "top_left": self.alignment == "top_left",
                 "softcap": np.float32(self.softcap or 0.0)}
-
-    def bwd_ffi_attributes(self) -> dict:
-        """Attributes of the `jax_fa4_bwd` custom call: the forward's and deterministic -> i1."""
-        return {**self.ffi_attributes(), "deterministic": self.deterministic}
 
 
 def grid_support(batch, heads) -> tuple[bool, str]:

@@ -50,3 +50,25 @@ def last_block(m_block, tile_m, hi, tile_n, n_blocks, mn=min, mx=max):
     does): block n's m_begin <= m iff n * tile_n < (m + 1) * tile_m + hi, and its m_end
     then lies above m, since lo <= hi."""
     return mn(mx((m_block + 1) * tile_m + hi - 1, 0) // tile_n, n_blocks - 1)
+
+
+def split_visits(visits, split, splits, mn=min):
+    """Visits [first, end) of split `split` of `splits` over a tile's `visits` key
+    blocks: consecutive runs of ceil(visits / splits); the last ones may be shorter or
+    empty (first == end)."""
+    per = ceil_div(visits, splits)
+    first = mn(split * per, visits)
+    return first, mn(first + per, visits)
+
+
+def split_blocks(n_begin, n_end, masked_end, masked_begin, first, end, mn=min, mx=max):
+    """kv_blocks' (n_begin, n_end, masked_end, masked_begin) for the visits [first, end)
+    of a tile (visit v is block n_end - 1 - v): the blocks of those visits, how many of
+    them at the top may hold invisible elements (at least 1 when any is visited: the
+    forward masks its first block in any case) and how many at the bottom, never the
+    same block twice."""
+    total = n_end - n_begin
+    top = mx(mn(masked_end, end) - first, 1)
+    top = mn(top, end - first)
+    bottom_from = mx(total - masked_begin, first + top)
+    return n_end - end, n_end - first, top, mx(end - bottom_from, 0)

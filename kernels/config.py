@@ -79,6 +79,10 @@ class _KernelConfig:
     segments: bool = False
     # Dv of v and out; None means D. Pairs with D != Dv are HEAD_DIM_PAIRS.
     head_dim_v: int | None = None
+    # Split-KV (forward only): the grid also runs over a runtime number of splits of each
+    # tile's key blocks; each split writes its fp32 partial out, normalized, and its LSE,
+    # which jax_fa4 combines. Banded variants only, like softcap.
+    split: bool = False
 
     kind = ""
 
@@ -95,8 +99,11 @@ class _KernelConfig:
             raise ValueError(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
-        if (self.softcap or self.segments) and not self.causal:
-            raise ValueError("softcap and segment kernels are banded: they need causal=True")
+        if (self.softcap or self.segments or self.split) and not self.causal:
+            raise ValueError("softcap, segment and split kernels are banded: they need "
+                             "causal=True")
+        if self.split and self.kind != "fwd":
+            raise ValueError("split-KV is a forward variant")
 
     @property
     def name(self) -> str:
@@ -104,6 +111,7 @@ class _KernelConfig:
         arch = self.arch.removesuffix("a").replace("_", "")
         cap = "_softcap" if self.softcap else ""
         seg = "_segments" if self.segments else ""
+        seg += "_split" if self.split else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
                                       else "")
         return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
@@ -120,6 +128,7 @@ class _KernelConfig:
             "causal": self.causal,
             "softcap": self.softcap,
             "segments": self.segments,
+            "split": self.split,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
         }
@@ -185,8 +194,11 @@ _VARIANTS = ((False, False, False), (True, False, False), (True, True, False),
 # (D, Dv) of every kernel: the square head dims, then the pairs.
 _DIMS = tuple((h, h) for h in HEAD_DIMS) + HEAD_DIM_PAIRS
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg)
+    FwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg,
+              split=split)
+    for split in (False, True)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)
+    if c or not split
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg)

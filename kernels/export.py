@@ -47,7 +47,8 @@ class Param(NamedTuple):
     (B, S, H), strides (S*H*D, H*D); "bhn": (B, H, N) row-major -> shapes (B, H, N),
     strides (H*N, N). `extent` is the FwdArgs / BwdArgs field holding S or N, `heads`
     the one holding H (K and V have their own with GQA) or a literal number, `field` the
-    one holding the pointer; dtype "io" is the configuration's dtype.
+    one holding the pointer, `batch` the one holding B; dtype "io" is the
+    configuration's dtype.
     """
 
     tensor: str
@@ -56,6 +57,7 @@ class Param(NamedTuple):
     extent: str
     dtype: str = "io"
     heads: str = "heads"
+    batch: str = "batch"
 
 
 # The export ABI of each kind (see ffi/kernel_table.h): tensors, then scalars, then the
@@ -85,6 +87,12 @@ TENSORS = {
         Param("mSem", "sem", "bhn", "sem_len", "i32"),
     ),
 }
+# Split-KV variants write fp32 partials instead of out and lse, one batch of them per
+# split: (B * num_splits, Sq, H, Dv) and (B * num_splits, H, Sq), batch-major.
+SPLIT_OUTPUTS = (
+    Param("mO", "o", "bshd", "seqlen_q", "f32", batch="split_batch"),
+    Param("mLSE", "lse", "bhn", "seqlen_q", "f32", batch="split_batch"),
+)
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
 VALUE_FIELDS = ("v", "o", "dout", "dv")
 
@@ -104,13 +112,16 @@ SEGMENT_TENSORS = (
 
 def tensors(cfg) -> tuple[Param, ...]:
     """The tensor parameters of cfg's kernel, in order."""
-    return TENSORS[cfg.kind] + (SEGMENT_TENSORS if cfg.segments else ())
+    params = TENSORS[cfg.kind]
+    if cfg.split:
+        params = params[:3] + SPLIT_OUTPUTS
+    return params + (SEGMENT_TENSORS if cfg.segments else ())
 
 
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
 SCALARS = {
     "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi"),
-            ("float", "softcap_scale")),
+            ("float", "softcap_scale"), ("int32_t", "num_splits")),
     "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic"),
             ("int32_t", "band_lo"), ("int32_t", "band_hi"), ("float", "softcap_scale")),
 }
@@ -171,7 +182,8 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     t0 = time.time()
     if cfg.kind == "fwd":
-        kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0))
+        kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0),
+                                         Int32(1))
     else:
         from kernels.sm90.bwd import BwdSm90
         from kernels.sm90.bwd_split import BwdSm90SplitD
@@ -185,11 +197,12 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     # saying so lets the kernels use 16-byte accesses on them.
     tiles = {"sq_pad": cfg.tile.m, "dq_accum_len": cfg.tile.m * cfg.head_dim}
     sizes = {name: cute.SymInt(divisibility=tiles.get(name, 1))
-             for name in ("batch", *(p.heads for p in params), *(p.extent for p in params))}
+             for name in (*(p.batch for p in params), *(p.heads for p in params),
+                          *(p.extent for p in params))}
     dtypes = {"io": DTYPES[cfg.dtype], "f32": Float32, "i32": Int32}
 
     def fake(p: Param):
-        b, h, n = sizes["batch"], sizes[p.heads], sizes[p.extent]
+        b, h, n = sizes[p.batch], sizes[p.heads], sizes[p.extent]
         if p.layout == "bshd":
             shape, order = (b, n, h, width(cfg, p)), (3, 2, 1, 0)
         else:
@@ -199,7 +212,8 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
-    compiled = cute.compile(kernel, *map(fake, TENSORS[cfg.kind]), *seg, *scalars,
+    main = [fake(p) for p in params if p not in SEGMENT_TENSORS]
+    compiled = cute.compile(kernel, *main, *seg, *scalars,
                             cuda.CUstream(0),
                             options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)
@@ -272,10 +286,10 @@ def _entry(cfg: Config) -> str:
         struct = f"{cfg.name}_Tensor_{p.tensor}_t"
         heads = p.heads if p.heads.isdigit() else f"a.{p.heads}"
         if p.layout == "bshd":
-            make = (f"Bshd<{struct}>(a.{p.field}, a.batch, a.{p.extent}, {heads}, "
+            make = (f"Bshd<{struct}>(a.{p.field}, a.{p.batch}, a.{p.extent}, {heads}, "
                     f"{width(cfg, p)})")
         else:
-            make = f"Bhn<{struct}>(a.{p.field}, a.batch, {heads}, a.{p.extent})"
+            make = f"Bhn<{struct}>(a.{p.field}, a.{p.batch}, {heads}, a.{p.extent})"
         lines.append(f"  auto {p.field} = {make};")
     call = [f"&{p.field}" for p in tensors(cfg)]
     call += [f"a.{field}" for _, field in SCALARS[cfg.kind]] + ["stream"]
@@ -298,11 +312,12 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            causal, softcap, segments = ("true" if flag else "false"
-                                         for flag in (cfg.causal, cfg.softcap, cfg.segments))
+            causal, softcap, segments, split = (
+                "true" if flag else "false"
+                for flag in (cfg.causal, cfg.softcap, cfg.segments, cfg.split))
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
-                f'{causal}, {softcap}, {segments}, '
+                f'{causal}, {softcap}, {segments}, {split}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

@@ -8,15 +8,21 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     Softcap variants (banded) replace s * S_ij by c * tanh(s * S_ij / c) for a runtime
     cap c (kernels/sm90/softcap.py). Segment variants (banded) take visibility from
     runtime per-row arrays and visit the key blocks a plan lists (kernels/sm90/segments.py).
+    Split variants (banded; split-KV for few tiles over many keys) cut each tile's visits
+    into num_splits runs (kernels/band.py split_visits), one CTA each; a split writes
+    O_s = its own softmax(s * S) V over its keys, in fp32, and LSE_s (0 and -inf when it
+    sees no key), and jax_fa4 combines them: LSE = log sum_s exp(LSE_s),
+    O = sum_s exp(LSE_s - LSE) O_s.
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
-mRows, mKeys, mPlan (int32, segments.py). B, Sq, Sk and H are runtime values, and so
-are the band's lo and hi and the softcap; dtype, D, causal, softcap and segments are
+mRows, mKeys, mPlan (int32, segments.py); split variants write mO (B * num_splits, Sq, H,
+Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major. B, Sq, Sk, H and num_splits
+are runtime values, and so are the band's lo and hi and the softcap; dtype, D, causal, softcap and segments are
 compiled in (kernels/config.py).
 
-One CTA per (tile of tile_m query rows, head, batch); causal grids run the longest
-tiles first. Warpgroup roles:
+One CTA per (tile of tile_m query rows, head, batch), and per split in split variants;
+causal grids run the longest tiles first. Warpgroup roles:
   0      producer: warp 0 issues TMA for this tile's Q once, then K and V blocks into
          two kv_stages-deep rings (separate pipelines, so S = Q K^T can start before
          V has landed); the other warps idle with few registers.
@@ -27,6 +33,7 @@ tiles first. Warpgroup roles:
          their wgmma (ping-pong), so one's softmax hides under the other's MMA.
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
+         Split variants store their fp32 O from registers, rows past Sq skipped.
 
 Build: kernels/export.py compiles and exports it ahead of time (no GPU needed).
 Test and time it through jax_fa4 on an H100: tests/gpu, bench/.
@@ -44,6 +51,7 @@ from cutlass import BFloat16, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
+from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
 from kernels.sm90 import mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
@@ -75,6 +83,7 @@ class FwdSm90:
         self.causal = cfg.causal
         self.softcap = cfg.softcap
         self.segments = cfg.segments
+        self.split = cfg.split
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
@@ -97,9 +106,11 @@ class FwdSm90:
         band_lo: Int32,
         band_hi: Int32,
         softcap_scale: Float32,
+        num_splits: Int32,
         stream: cuda.CUstream,
     ):
-        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI)."""
+        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI).
+        num_splits: split variants only (others are launched with 1 and ignore it)."""
         dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
@@ -120,9 +131,12 @@ class FwdSm90:
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (CONSUMER_ROWS, d))
         tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
         tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (dv, self.tile_n))
-        tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileS2GOp(), o, sO_one, (CONSUMER_ROWS, dv)
-        )
+        # Split variants store their fp32 partials from registers: `o` itself.
+        tma_atom_o, tma_o = None, o
+        if cutlass.const_expr(not self.split):
+            tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileS2GOp(), o, sO_one, (CONSUMER_ROWS, dv)
+            )
         self.q_bytes = cute.size_in_bytes(dt, sQ_one) * self.consumers
         self.k_bytes = cute.size_in_bytes(dt, sK_one)
         self.v_bytes = cute.size_in_bytes(dt, sV_one)
@@ -137,10 +151,11 @@ class FwdSm90:
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
 
         self.storage = Storage
-        grid = (cute.ceil_div(q.shape[0], self.tile_m), q.shape[2], q.shape[3])
+        splits = num_splits if cutlass.const_expr(self.split) else Int32(1)
+        grid = (cute.ceil_div(q.shape[0], self.tile_m) * splits, q.shape[2], q.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, mRows, mKeys, mPlan, scale_log2, band_lo, band_hi, softcap_scale,
+            lse, mRows, mKeys, mPlan, scale_log2, band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
@@ -155,7 +170,7 @@ class FwdSm90:
         tma_k: cute.Tensor,
         tma_atom_v: cute.CopyAtom,
         tma_v: cute.Tensor,
-        tma_atom_o: cute.CopyAtom,
+        tma_atom_o: cute.CopyAtom | None,
         tma_o: cute.Tensor,
         mLSE: cute.Tensor,
         mRows: cute.Tensor | None,
@@ -165,6 +180,7 @@ class FwdSm90:
         band_lo: Int32,
         band_hi: Int32,
         softcap_scale: Float32,
+        num_splits: Int32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
@@ -173,10 +189,15 @@ class FwdSm90:
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
         bx, head, batch = cute.arch.block_idx()
-        m_block = bx
+        m_block, split = bx, Int32(0)
+        grid_x, _, _ = cute.arch.grid_dim()
+        tiles = grid_x
+        if cutlass.const_expr(self.split):
+            m_block = bx // num_splits
+            split = bx - m_block * num_splits
+            tiles = grid_x // num_splits
         if cutlass.const_expr(self.causal):
-            grid_x, _, _ = cute.arch.grid_dim()
-            m_block = grid_x - 1 - bx  # longest-first: causal tiles grow with m_block
+            m_block = tiles - 1 - m_block  # longest-first: causal tiles grow with m_block
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -186,7 +207,8 @@ class FwdSm90:
 
         if warp == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
-                cpasync.prefetch_descriptor(atom)
+                if cutlass.const_expr(atom is not None):
+                    cpasync.prefetch_descriptor(atom)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(q_full, 1)
         k_producer, k_consumer = self._kv_pipeline(storage.k_mbar.data_ptr(), self.k_bytes)
@@ -201,10 +223,21 @@ class FwdSm90:
         )
         seg = None
         if cutlass.const_expr(self.segments):
-            # The plan's blocks replace the band's: visits 0 .. count - 1.
+            # The plan's blocks replace the band's: visits 0 .. count - 1 (this split's).
+            plan_row = mPlan[batch, m_block, None]
+            count = plan_row[0]
+            if cutlass.const_expr(self.split):
+                first, end = band.split_visits(count, split, num_splits, cutlass.min)
+                count = end - first
+                # An empty split reads the row's first entry, which every row has.
+                plan_row = segments.skip_visits(plan_row, cutlass.select_(count > 0, first, Int32(0)))
             seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
-                            mPlan[batch, m_block, None], seqlen_q)
+                                 plan_row, seqlen_q, count=count)
             n_begin, n_end = Int32(0), seg.count
+        elif cutlass.const_expr(self.split):
+            first, end = band.split_visits(n_end - n_begin, split, num_splits, cutlass.min)
+            n_begin, n_end, masked_end, masked_begin = band.split_blocks(
+                n_begin, n_end, masked_end, masked_begin, first, end, cutlass.min, cutlass.max)
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
@@ -216,11 +249,14 @@ class FwdSm90:
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
+            out_batch = batch
+            if cutlass.const_expr(self.split):
+                out_batch = batch * num_splits + split
             self.mma_softmax_epilogue(
                 tma_atom_o, tma_o, mLSE, scale_log2,
                 sQ, sK, sV, q_full, k_consumer, v_consumer,
                 wg - 1, tidx % WARPGROUP, warp,
-                m_block, head, batch, n_begin, n_end, masked_end, masked_begin,
+                m_block, head, batch, out_batch, n_begin, n_end, masked_end, masked_begin,
                 seqlen_q, seqlen_k, band_lo, band_hi, softcap_scale, seg,
             )
 
@@ -313,13 +349,14 @@ class FwdSm90:
         tma_atom_o, tma_o, mLSE, scale_log2,
         sQ, sK, sV, q_full, k_consumer, v_consumer,
         c: Int32, tidx: Int32, warp: Int32,
-        m_block: Int32, head: Int32, batch: Int32,
+        m_block: Int32, head: Int32, batch: Int32, out_batch: Int32,
         n_begin: Int32, n_end: Int32, masked_end: Int32, masked_begin: Int32,
         seqlen_q: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
         softcap_scale: Float32, seg,
     ):
         """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range;
-        in segment variants, the plan's visits 0 .. n_end - 1."""
+        in segment variants, the plan's visits 0 .. n_end - 1. Out and LSE go to batch
+        `out_batch` (split variants: this split's)."""
         dv, tile_n = self.head_dim_v, self.tile_n
         sQc = sQ[None, None, c]
         # O is staged in this consumer's own Q buffer (Dv <= D: it fits), in O's layout.
@@ -407,7 +444,7 @@ class FwdSm90:
 
         self.epilogue(
             tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sOc,
-            c, tidx, warp, m_block, row0, head, batch, seqlen_q,
+            c, tidx, warp, m_block, row0, head, out_batch, seqlen_q,
         )
 
     @cute.jit
@@ -451,7 +488,6 @@ class FwdSm90:
         c: Int32, tidx: Int32, warp: Int32, m_block: Int32, row0: Int32,
         head: Int32, batch: Int32, seqlen_q: Int32,
     ):
-        dv = self.head_dim_v
         inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         softmax.finalize(inv_sum, lse)
@@ -464,7 +500,18 @@ class FwdSm90:
                 if row < seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
-        # O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA.
+        if cutlass.const_expr(self.split):
+            self._store_partial(acc_o, coord_o, tma_o, row0, head, batch, seqlen_q)
+        else:
+            self._store_o(tiled_r2s, acc_o, tma_atom_o, tma_o, sOc, c, tidx, warp, m_block,
+                          head, batch)
+
+    @cute.jit
+    def _store_o(self, tiled_r2s, acc_o, tma_atom_o, tma_o, sOc, c: Int32, tidx: Int32,
+                 warp: Int32, m_block: Int32, head: Int32, batch: Int32):
+        """O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA,
+        which clips the rows past Sq."""
+        dv = self.head_dim_v
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
         wgmma.store_acc(tiled_r2s, r_o, sOc, tidx)
@@ -482,6 +529,18 @@ class FwdSm90:
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_partial(self, acc_o, coord_o, mO, row0: Int32, head: Int32, batch: Int32,
+                       seqlen_q: Int32):
+        """A split's fp32 O straight from the accumulator into mO (Sq, Dv, H, B * splits),
+        each thread its own elements; rows past Sq are skipped."""
+        acc_rc = rows_cols(acc_o)
+        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+            row = row0 + coord_o[r, 0][0]
+            if row < seqlen_q:
+                for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                    mO[row, coord_o[r, col][1], head, batch] = acc_rc[r, col]
 
     # ------------------------------------------------------------------ helpers
     @cute.jit

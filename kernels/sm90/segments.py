@@ -30,13 +30,21 @@ class Views:
     """One CTA's views of its batch: rows (3, Sq), keys (Sk,), its tile's plan row, Sq,
     and (backward) the number of query tiles, where the plan row's turns start. The
     plan's count and first entry are read up front, together: the first loads of a
-    CTA wait for both."""
+    CTA wait for both. `count` replaces the row's count for a row of `skip_visits`."""
 
-    def __init__(self, rows, keys, plan_row, seqlen_q, q_tiles=None):
+    def __init__(self, rows, keys, plan_row, seqlen_q, q_tiles=None, count=None):
         self.rows, self.keys, self.plan_row = rows, keys, plan_row
         self.seqlen_q, self.q_tiles = seqlen_q, q_tiles
         # Every plan row has its count and at least one entry (Sk >= 1: one block).
-        self.count, self.first = plan_row[0], plan_row[1]
+        self.count = plan_row[0] if count is None else count
+        self.first = plan_row[1]
+
+
+@cute.jit
+def skip_visits(plan_row: cute.Tensor, n: Int32) -> cute.Tensor:
+    """The forward plan row seen from visit n on: its entry 1 + i is visit n + i (its
+    entry 0 is no count: pass the count to Views). n <= the row's count."""
+    return cute.make_tensor(plan_row.iterator + n, plan_row.layout)
 
 
 @cute.jit

@@ -108,3 +108,31 @@ def test_cases_exercise_every_shape_of_band():
             if n_end - n_begin > masked_end + masked_begin:
                 kinds.add("whole")
     assert kinds == {"empty", "visited", "left edge", "whole"}
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 5, 16])
+def test_split_blocks_partition_each_tile(splits):
+    """Split-KV: a tile's splits visit its blocks once each, in runs of consecutive
+    visits, and a split leaves unmasked only blocks the whole tile leaves unmasked."""
+    for sq, sk, lo, hi, (tm, tn) in CASES:
+        for m in range(band.ceil_div(sq, tm)):
+            where = f"sq={sq} sk={sk} lo={lo} hi={hi} tile=({tm}, {tn}) m={m} splits={splits}"
+            n_begin, n_end, masked_end, masked_begin = band.kv_blocks(m * tm, tm, sk, lo, hi, tn)
+            whole = set(range(n_begin + masked_begin, n_end - masked_end))
+            visits = n_end - n_begin
+            covered, previous_end = [], 0
+            for split in range(splits):
+                first, end = band.split_visits(visits, split, splits)
+                assert previous_end == first <= end <= visits, where
+                previous_end = end
+                b, e, top, bottom = band.split_blocks(n_begin, n_end, masked_end, masked_begin,
+                                                      first, end)
+                assert (b, e) == (n_end - end, n_end - first), where
+                if e > b:
+                    assert top >= 1 and top + bottom <= e - b, where
+                else:
+                    assert top == bottom == 0, where
+                assert set(range(b + bottom, e - top)) <= whole, where
+                covered += range(b, e)
+            assert previous_end == visits, where
+            assert sorted(covered) == list(range(n_begin, n_end)), where

@@ -20,9 +20,11 @@ from jaxlib import xla_client
 import jax_fa4
 from jax_fa4 import _api, _registry
 
-# Attributes print in alphabetical order; softcap sits between the ones read here.
+# Attributes print in alphabetical order; num_splits and softcap sit between the ones
+# read here.
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
-                  r"causal = (true|false), softcap = \S+ : f32, softmax_scale = (\S+) : f32")
+                  r"causal = (true|false), num_splits = \d+ : i32, softcap = \S+ : f32, "
+                  r"softmax_scale = (\S+) : f32")
 BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?causal = (true|false), "
                       r"deterministic = (true|false), softcap = \S+ : f32, "
                       r"softmax_scale = (\S+) : f32.*?-> \((.*)\)$", re.MULTILINE)
@@ -201,7 +203,7 @@ def test_import_registers_once(monkeypatch):
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     kinds = [entry["kind"] for entry in expected_manifest]
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (50, 50)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (90, 50)  # 40 split forwards
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):

@@ -5,14 +5,14 @@
 #   bash tests/gpu/run_parts.sh quick      # iteration: every path once (not the matrix)
 #   bash tests/gpu/run_parts.sh core       # numerics, backward, runtime values, determinism, graphs
 #   bash tests/gpu/run_parts.sh windows    # the window and softcap matrix
-#   bash tests/gpu/run_parts.sh features   # segments, varlen, jax.nn
+#   bash tests/gpu/run_parts.sh features   # segments, varlen, split-KV, jax.nn
 #   bash tests/gpu/run_parts.sh heads      # GQA, sinks, transforms, fallback
 #   bash tests/gpu/run_parts.sh large      # 2^31-element tensors and softcap accuracy, alone
 #   bash tests/gpu/run_parts.sh multi      # 2 or more GPUs
 #
-# Extra arguments go to pytest. On an H100 on 2026-11-24: core 6.3 minutes; segments 5
-# and GQA + varlen + sinks + transforms 9 (so features + heads about 14); windows with
-# segments did not finish in 9.5 on a fresh machine, windows alone is not yet timed.
+# Extra arguments go to pytest. On an H100: core 6.3 minutes; segments 5 and GQA +
+# varlen + sinks + transforms 9 (so features + heads about 14) (2026-11-24); windows 6.7
+# (2026-11-25).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|windows|features|heads|large|multi [pytest args]}
@@ -22,7 +22,7 @@ case "$part" in
   quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py" ;;
   core) files="$g/test_gpu_numerics.py $g/test_gpu_backward.py $g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_command_buffer.py" ;;
   windows) files="$g/test_gpu_window.py" ;;
-  features) files="$g/test_gpu_segments.py $g/test_gpu_varlen.py $g/test_gpu_jax_nn.py" ;;
+  features) files="$g/test_gpu_segments.py $g/test_gpu_varlen.py $g/test_gpu_split_kv.py $g/test_gpu_jax_nn.py" ;;
   heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py" ;;
   large) files="$g/test_gpu_large.py $g/test_gpu_softcap_accuracy.py" ;;
   multi) files="$g/test_gpu_multi.py" ;;
