@@ -37,12 +37,13 @@ def num_splits(ctas: int, key_blocks: int, sm_count: int) -> int:
 def combine(out, lse, dtype):
     """out (..., S, Sq, H, Dv) and lse (..., S, H, Sq), fp32 partials of S splits ->
     out (..., Sq, H, Dv) in dtype and lse (..., H, Sq) fp32."""
-    top = jnp.max(lse, axis=-3)
+    top = jnp.max(lse, axis=-3, keepdims=True)
     top = jnp.where(jnp.isfinite(top), top, 0.0)  # every split empty: all weights 0
-    weight = jnp.exp(lse - top[..., None, :, :])  # (..., S, H, Sq)
-    total = jnp.sum(weight, axis=-3)
+    total = jnp.sum(jnp.exp(lse - top), axis=-3, keepdims=True)
     seen = total > 0
-    lse = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    weight = weight / jnp.where(seen, total, 1.0)[..., None, :, :]
+    whole = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
+    # Split s weighs exp(lse_s - lse): 0 for an empty split and for a row no split sees.
+    # Only the sum below reads it, so XLA computes it inside that one pass over out.
+    weight = jnp.exp(lse - jnp.where(seen, whole, 0.0))
     out = jnp.sum(out * jnp.swapaxes(weight, -1, -2)[..., None], axis=-4)
-    return out.astype(dtype), lse
+    return out.astype(dtype), whole[..., 0, :, :]

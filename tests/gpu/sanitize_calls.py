@@ -1,7 +1,9 @@
 """Small calls of every kernel the build has, for compute-sanitizer (tests/gpu/sanitize.sh).
 
 Each forward kernel gets one call that selects it, each backward kernel jax.grad of that
-call in both dq modes (atomic, deterministic). The segment kernels get one more call
+call in both dq modes (atomic, deterministic). The split forwards (split-KV) get the calls
+of their variant with splitting forced, down to runs of one key block and runs left
+empty; every other call is traced with splitting off. The segment kernels get one more call
 each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
 or negative; lengths negative or past S), which the kernels must survive without an
 out-of-bounds access. Sizes are small (the sanitizers are slow) but leave partial tiles
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import _ffi_calls
+from jax_fa4 import _ffi_calls, _split_kv
 
 # Sq and Sk fill no tile or block of any kernel (tile_m 64..192, tile_n 64..128) and
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
@@ -181,6 +183,18 @@ def ffi_kernels():
         _ffi_calls.fwd, _ffi_calls.bwd = fwd, bwd
 
 
+@contextlib.contextmanager
+def splitting(split: bool):
+    """Split-KV forced for a split kernel's call (any grid splits, into runs of a block
+    or more) and off for the others: `_split_kv`'s thresholds, read while tracing."""
+    saved = _split_kv.FILL, _split_kv.MIN_BLOCKS_PER_SPLIT
+    _split_kv.FILL, _split_kv.MIN_BLOCKS_PER_SPLIT = (float("inf"), 1) if split else (0.0, 1)
+    try:
+        yield
+    finally:
+        _split_kv.FILL, _split_kv.MIN_BLOCKS_PER_SPLIT = saved
+
+
 def trace(call: Call, q, k, v, implementation):
     """(the call traced, '' when it builds the FFI calls of its kernel and no others,
     else which it builds): the forward kernel's, or under jax.grad, the forward and the
@@ -189,7 +203,7 @@ def trace(call: Call, q, k, v, implementation):
     # where the FFI calls are built: an earlier call with the same spec and shapes would
     # leave nothing to record.
     jax.clear_caches()
-    with ffi_kernels() as built:
+    with ffi_kernels() as built, splitting(call.kernel.get("split", False)):
         traced = jax.jit(function(call, implementation)).trace(q, k, v, call.arrays)
     name = call.kernel["name"]
     # Names differ only in their kind prefix (kernels/config.py).
