@@ -20,8 +20,8 @@ from jax import lax
 
 from jax_fa4._api import attention
 from jax_fa4._ring import Cut, chunk_pair, hop, merge, unseen
-from jax_fa4._sharding import vary_like
 from jax_fa4._spec import _band
+from jax_fa4._varying import vary_like
 
 LAYOUTS = ("contiguous", "zigzag")
 

@@ -11,8 +11,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import _segment_plan
-from jax_fa4._sharding import vary_like
 from jax_fa4._spec import GRID_YZ_LIMIT, AttentionSpec
+from jax_fa4._varying import vary_like
 
 FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"

@@ -149,28 +149,6 @@ def _guard_jvp(spec, primals, tangents):
     return guard(spec, *primals), tangents
 
 
-def vary_like(refs, values):
-    """Inside shard_map, type `values` (a tuple) as varying over every manual mesh axis
-    that one of the arrays `refs` varies over, as computing them from `refs` with jnp
-    would: ffi_call results and fresh constants are typed invariant, and branches and
-    merges must agree."""
-    varying = tuple(sorted(set().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))))
-    if not varying:
-        return values
-    return tuple(jax.lax.pcast(x, varying, to="varying") for x in values)
-
-
-def sum_like(refs, cotangents):
-    """Inside shard_map, each cotangent summed over the manual mesh axes it varies over
-    and its primal in `refs` does not: an input replicated over an axis gets the sum of
-    every device's contribution (the transpose of the implicit pvary)."""
-    def reduce(ref, ct):
-        extra = jax.typeof(ct).manual_axis_type.varying - jax.typeof(ref).manual_axis_type.varying
-        return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
-
-    return tuple(map(reduce, refs, cotangents))
-
-
 def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
     if name in ("lse", "dlse"):
         return PartitionSpec(batch, heads, seq)

@@ -14,7 +14,7 @@ import functools
 
 import jax
 
-from jax_fa4 import _ffi_calls, _pack_gqa, _ring, _segment_plan, _sharding
+from jax_fa4 import _ffi_calls, _pack_gqa, _ring, _segment_plan, _sharding, _varying
 from jax_fa4._reference import (reference_attention, reference_attention_visible,
                                 reference_backward)
 from jax_fa4._spec import AttentionSpec
@@ -98,7 +98,7 @@ def _bwd(spec, residuals, cotangents):
         grads = _sharded_backward_segments(spec)(q, k, v, out, dout, lse, dlse, *segments)
     else:
         grads = _sharded_backward(spec)(q, k, v, out, dout, lse, dlse)
-    return (*_sharding.sum_like((q, k, v), grads), None)
+    return (*_varying.sum_like((q, k, v), grads), None)
 
 
 attention.defvjp(_fwd, _bwd)
