@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_fa4 import _kernel_select
+
 # Where each array keeps its sequence axis, for those not laid out (B, S, H, D): row
 # statistics (B, H, Sq) and the segment kernels' rows (B, 3, Sq) and keys (B, Sk).
 _SEQ_AXIS = {"lse": 2, "dlse": 2, "rows": 2, "keys": 1}
@@ -183,7 +185,7 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
     if seq is not None and not ring:
-        reason = (spec.kernel_support()[1]
+        reason = (_kernel_select.kernel_support(spec)[1]
                   or "implementation='reference', or a GPU the kernels do not run on")
         raise NotImplementedError(
             f"jax_fa4.attention: this call runs the pure-JAX reference ({reason}), which "

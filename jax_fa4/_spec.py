@@ -5,11 +5,13 @@ source of the FFI attributes. Only dtypes, head counts and head dims are read fr
 operands: batch and sequence lengths stay runtime values (one kernel serves every size),
 and of the runtime feature arrays (sinks, segment ids, lengths, cu_seqlens) only their
 presence is static. The constructors check the inputs with `_validate` and put them in
-canonical form: equal calls give equal specs. It is also the one place that answers
-"can the kernel take this?" (`kernel_support`).
+canonical form: equal calls give equal specs. The spec names the kernel variant it
+needs (`banded`, `segment_kernel`); which built kernel runs it, and whether one can, is
+`_kernel_select`'s question.
 
 Refusals: `ValueError` for malformed input, `NotImplementedError(reason)` (raised by the
-caller with `kernel_support()`'s reason) for a capability gap, both before tracing.
+caller with `_kernel_select.kernel_support`'s reason) for a capability gap, both before
+tracing.
 """
 
 from __future__ import annotations
@@ -18,10 +20,7 @@ import dataclasses
 
 import numpy as np
 
-from jax_fa4 import _registry, _validate
-
-# Numpy dtype names of the inputs the kernels take -> the manifest's dtype names.
-KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+from jax_fa4 import _validate
 
 # How the forward runs (set by `_api` after it checked the platform):
 #   "cute": the kernel, unconditionally.
@@ -30,9 +29,6 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 #       where the kernels cannot run, `_fallback`).
 #   "reference": the pure-JAX reference.
 PATHS = ("cute", "platform", "cudnn", "reference")
-
-# The kernels' grids are (tiles, heads, batch): y and z stop at 65535 (ffi/handler_common.h).
-GRID_YZ_LIMIT = 65535
 
 # Where query row i is aligned on the key axis (see `_masks`).
 ALIGNMENTS = ("bottom_right", "top_left")
@@ -182,84 +178,6 @@ class AttentionSpec:
         return dict(causal=self.causal, softmax_scale=self.softmax_scale,
                     alignment=self.alignment, window=self.window, softcap=self.softcap)
 
-    @property
-    def kernel_dtype(self) -> str | None:
-        """The manifest's name for this dtype ("bf16", "fp16"); None if no kernel takes it."""
-        return KERNEL_DTYPES.get(self.dtype)
-
-    @property
-    def kernel_head_dims(self) -> tuple[int, int] | None:
-        """(D, Dv) of the kernels this spec runs: of those built (for its dtype and
-        variant) that hold D and Dv, the one with the least D + Dv (the work per score),
-        then the least D. Smaller inputs are zero-padded to it (exact: zero columns add
-        nothing to q.k, and out's extra columns are dropped). None if none holds them."""
-        if self.kernel_dtype is None:
-            return None
-        built = {_registry.head_dims(e) for e in _registry.manifest()}
-        fits = [(d + dv, d, dv) for d, dv in built
-                if d >= self.head_dim and dv >= self.head_dim_v
-                and self._find_kernel("fwd", (d, dv)) is not None]
-        return min(fits)[1:] if fits else None
-
-    def for_kernel(self) -> AttentionSpec:
-        """This spec at kernel_head_dims, the shapes the kernel calls see."""
-        d, dv = self.kernel_head_dims
-        return dataclasses.replace(self, head_dim=d, head_dim_v=dv)
-
-    @property
-    def kernel_name(self) -> str | None:
-        """The forward kernel for (dtype, kernel_head_dims, variant); None if none was
-        built."""
-        entry = self._find_kernel("fwd")
-        return entry["name"] if entry else None
-
-    @property
-    def fwd_kernel(self) -> dict | None:
-        """The manifest entry of the forward kernel; None if none was built."""
-        return self._find_kernel("fwd")
-
-    @property
-    def bwd_kernel(self) -> dict | None:
-        """The manifest entry of the backward kernel for (dtype, kernel_head_dims,
-        variant); None if none was built (the kernel paths then differentiate with the
-        reference)."""
-        return self._find_kernel("bwd")
-
-    def _find_kernel(self, kind: str, dims: tuple[int, int] | None = None) -> dict | None:
-        """The manifest entry of this spec's variant at head dims (D, Dv) (default:
-        kernel_head_dims); None if none was built."""
-        dims = self.kernel_head_dims if dims is None else dims
-        if dims is None:
-            return None
-        return _registry.find_kernel(kind, self.kernel_dtype, dims, self.banded,
-                                     self.softcap is not None, self.segment_kernel)
-
-    def kernel_support(self) -> tuple[bool, str]:
-        """Whether a compiled kernel covers this spec (devices are `_api`'s concern)."""
-        if self.kernel_dtype is None:
-            return False, (
-                f"dtype {self.dtype} has no kernel; the kernels take bfloat16 or float16"
-            )
-        if self.softmax_scale <= 0:
-            return False, f"the kernels need softmax_scale > 0; got {self.softmax_scale}"
-        if reason := _registry.native_reason():
-            return False, reason
-        if self.kernel_name is None:
-            built = ", ".join(str(d) if d == dv else f"{d}/{dv}" for d, dv in sorted(
-                {_registry.head_dims(e) for e in _registry.manifest()
-                 if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)}))
-            masked = self.causal or self.window != (None, None)
-            dims = (f"head_dim={self.head_dim}" if self.head_dim_v == self.head_dim
-                    else f"head_dims D={self.head_dim}, Dv={self.head_dim_v}")
-            return False, (
-                f"no compiled kernel for dtype={self.kernel_dtype} {dims} "
-                f"mask={'causal/window' if masked else 'none'}"
-                f"{' softcap' if self.softcap is not None else ''}"
-                f"{' segments' if self.segment_kernel else ''}; head_dims built for "
-                f"{self.kernel_dtype} (D or D/Dv): [{built}] (smaller ones run zero-padded)"
-            )
-        return True, ""
-
     def ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_fwd` custom call: causal (the banded kernel) -> i1,
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
@@ -278,13 +196,3 @@ class AttentionSpec:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's and deterministic -> i1."""
         return {**self.ffi_attributes(), "deterministic": self.deterministic}
 
-
-def grid_support(batch, heads) -> tuple[bool, str]:
-    """Whether the kernels' grids hold `batch` and `heads` (query heads: pack-GQA would
-    need fewer, but the plain layout must fit too). Symbolic sizes (jax.export) are
-    checked by the handler at run time."""
-    for name, size in (("batch", batch), ("heads Hq", heads)):
-        if isinstance(size, int) and size > GRID_YZ_LIMIT:
-            return False, (f"the kernels take {name} <= {GRID_YZ_LIMIT} (a grid "
-                           f"dimension); got {size}")
-    return True, ""
