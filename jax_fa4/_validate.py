@@ -1,10 +1,11 @@
 """Checks of one attention call's inputs, run by `AttentionSpec`'s constructors.
 
 Each check reads only what is static: shapes, dtypes and Python values (operands may be
-arrays or jax.ShapeDtypeStructs, and their values are never read). It returns the value
-in the spec's canonical form, or raises ValueError naming the argument and what it got,
-before anything is traced. Whether a kernel takes a valid call is `_kernel_select`'s
-question, not this module's.
+arrays or jax.ShapeDtypeStructs, and their values are never read). It returns what the
+spec keeps of its input, in canonical form (the operands' dims, the band, a static
+number), or nothing, and raises ValueError naming the argument and what it got, before
+anything is traced (`ring_attention` checks its band with `band` too). Whether a
+kernel takes a valid call is `_kernel_select`'s question.
 """
 
 from __future__ import annotations
