@@ -9,10 +9,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import (_fallback, _masks, _pack_gqa, _registry, _segment_plan, _sharding,
-                     _split_kv, _vjp)
+from jax_fa4 import (_fallback, _kernel_select, _masks, _pack_gqa, _registry, _segment_plan,
+                     _sharding, _split_kv, _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
-from jax_fa4._spec import AttentionSpec, grid_support
+from jax_fa4._spec import AttentionSpec
 
 IMPLEMENTATIONS = (None, "cute", "reference")
 
@@ -225,7 +225,7 @@ def _choose_path(spec: AttentionSpec, implementation, sizes: tuple) -> Attention
     if implementation == "reference":
         return spec.with_path("reference")
     if implementation == "cute":
-        if spec.kernel_dtype is None:
+        if _kernel_select.kernel_dtype(spec) is None:
             raise ValueError(
                 f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
         ok, reason = _kernel_runs_here(spec, sizes)
@@ -268,9 +268,9 @@ def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
     if spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int):
         return spec  # a symbolic Sq (jax.export) keeps the plain layout
     packed = dataclasses.replace(spec, pack_gqa=True)
-    if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, spec.fwd_kernel["tile_m"])
-            and packed.fwd_kernel is not None
-            and (packed.bwd_kernel is not None or spec.bwd_kernel is None)):
+    fwd, bwd = _kernel_select.fwd_kernel, _kernel_select.bwd_kernel
+    if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, fwd(spec)["tile_m"])
+            and fwd(packed) is not None and (bwd(packed) is not None or bwd(spec) is None)):
         return packed
     return spec
 
@@ -283,7 +283,7 @@ def _with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
     if spec.path not in ("cute", "platform") or not all(
             isinstance(n, int) for n in sizes):
         return spec
-    split = dataclasses.replace(spec, num_splits=2).fwd_kernel
+    split = _kernel_select.fwd_kernel(dataclasses.replace(spec, num_splits=2))
     if split is None:
         return spec
     if spec.pack_gqa:
@@ -346,7 +346,7 @@ def _kernel_attention(spec: AttentionSpec, q, k, v, segments=()):
     """The kernel paths at the kernels' head dims: q and k zero-padded along D, v along
     Dv, to theirs when (D, Dv) is not built (exact; spec keeps the softmax scale of the
     true D), out cut back to Dv. Autodiff of the pad and the cut carries the gradients."""
-    kernel_spec = spec.for_kernel()
+    kernel_spec = _kernel_select.for_kernel(spec)
     dims = (kernel_spec.head_dim, kernel_spec.head_dim_v)
     if (spec.head_dim, spec.head_dim_v) == dims:
         return _vjp.attention(spec, q, k, v, segments)
@@ -383,8 +383,8 @@ def _check_implementation(implementation) -> None:
 
 def _kernel_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
     """Whether a built kernel covers the call (devices aside)."""
-    ok, reason = spec.kernel_support()
-    return (ok, reason) if not ok else grid_support(*sizes[:2])
+    ok, reason = _kernel_select.kernel_support(spec)
+    return (ok, reason) if not ok else _kernel_select.grid_support(*sizes[:2])
 
 
 def _kernel_runs_here(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:

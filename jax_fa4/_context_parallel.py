@@ -20,8 +20,8 @@ from jax import lax
 
 from jax_fa4._api import attention
 from jax_fa4._ring import Cut, chunk_pair, hop, merge, unseen
-from jax_fa4._sharding import vary_like
-from jax_fa4._spec import _band
+from jax_fa4._validate import band
+from jax_fa4._varying import vary_like
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -101,7 +101,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
 
 def _global_band(causal, window):
     """(left, right) of the band over global positions, validated like `attention`'s."""
-    spec_causal, left, right = _band(causal, window)
+    spec_causal, left, right = band(causal, window)
     return left, 0 if spec_causal else right
 
 

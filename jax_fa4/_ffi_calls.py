@@ -11,8 +11,9 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import _segment_plan, _split_kv
-from jax_fa4._sharding import vary_like
-from jax_fa4._spec import GRID_YZ_LIMIT, AttentionSpec
+from jax_fa4._kernel_select import GRID_YZ_LIMIT, bwd_kernel, fwd_kernel
+from jax_fa4._spec import AttentionSpec
+from jax_fa4._varying import vary_like
 
 FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
@@ -32,7 +33,7 @@ def fwd(q, k, v, *segments, spec: AttentionSpec):
         jax.ShapeDtypeStruct((*lead, *splits, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
-    extra = _segment_operands(segments, spec.fwd_kernel, _segment_plan.forward_plan)
+    extra = _segment_operands(segments, fwd_kernel(spec), _segment_plan.forward_plan)
     out, lse = call(q, k, v, *extra, **spec.ffi_attributes())
     if splits:
         out, lse = _split_kv.combine(out, lse, q.dtype)
@@ -65,13 +66,13 @@ def _check_backward_sizes(kernel, sq, sq_pad, sk, head_dim) -> None:
 
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out, dout (B, Sq, H, Dv),
-    lse/dlse (B, H, Sq) fp32 -> dq, dk, dv like q, k, v. Needs `spec.bwd_kernel`. `segments` as for `fwd`.
+    lse/dlse (B, H, Sq) fp32 -> dq, dk, dv like q, k, v. Needs `bwd_kernel(spec)`. `segments` as for `fwd`.
 
     The kernel's workspaces are extra results: XLA allocates them (so they take part in
     its buffer assignment and in command buffers) and the kernel initializes them. Their
     last dimension follows the kernel's query tile (ffi/kernel_table.cc
     WorkspaceExtents, which the handler checks against these shapes)."""
-    kernel = spec.bwd_kernel
+    kernel = bwd_kernel(spec)
     *lead, sq, heads, head_dim = q.shape
     tile_m = kernel["tile_m"]
     tiles = (sq + tile_m - 1) // tile_m  # symbolic sizes (jax.export) allow this

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4 import _segment_plan
-from jax_fa4._sharding import vary_like
+from jax_fa4._varying import vary_like
 
 
 def chunk_pair(band, length, chunks, q_chunk, kv_chunk, run, nothing, *args):

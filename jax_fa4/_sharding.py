@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
+from jax_fa4 import _kernel_select
+
 # Where each array keeps its sequence axis, for those not laid out (B, S, H, D): row
 # statistics (B, H, Sq) and the segment kernels' rows (B, 3, Sq) and keys (B, Sk).
 _SEQ_AXIS = {"lse": 2, "dlse": 2, "rows": 2, "keys": 1}
@@ -149,28 +151,6 @@ def _guard_jvp(spec, primals, tangents):
     return guard(spec, *primals), tangents
 
 
-def vary_like(refs, values):
-    """Inside shard_map, type `values` (a tuple) as varying over every manual mesh axis
-    that one of the arrays `refs` varies over, as computing them from `refs` with jnp
-    would: ffi_call results and fresh constants are typed invariant, and branches and
-    merges must agree."""
-    varying = tuple(sorted(set().union(*(jax.typeof(r).manual_axis_type.varying for r in refs))))
-    if not varying:
-        return values
-    return tuple(jax.lax.pcast(x, varying, to="varying") for x in values)
-
-
-def sum_like(refs, cotangents):
-    """Inside shard_map, each cotangent summed over the manual mesh axes it varies over
-    and its primal in `refs` does not: an input replicated over an axis gets the sum of
-    every device's contribution (the transpose of the implicit pvary)."""
-    def reduce(ref, ct):
-        extra = jax.typeof(ct).manual_axis_type.varying - jax.typeof(ref).manual_axis_type.varying
-        return jax.lax.psum(ct, tuple(sorted(extra))) if extra else ct
-
-    return tuple(map(reduce, refs, cotangents))
-
-
 def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
     if name in ("lse", "dlse"):
         return PartitionSpec(batch, heads, seq)
@@ -205,7 +185,7 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
     if seq is not None and not ring:
-        reason = (spec.kernel_support()[1]
+        reason = (_kernel_select.kernel_support(spec)[1]
                   or "implementation='reference', or a GPU the kernels do not run on")
         raise NotImplementedError(
             f"jax_fa4.attention: this call runs the pure-JAX reference ({reason}), which "

@@ -4,27 +4,23 @@ The spec is the custom_vjp static argument, the key into the kernel manifest and
 source of the FFI attributes. Only dtypes, head counts and head dims are read from the
 operands: batch and sequence lengths stay runtime values (one kernel serves every size),
 and of the runtime feature arrays (sinks, segment ids, lengths, cu_seqlens) only their
-presence is static. It is also the one place that answers "can the kernel take this?"
-(`kernel_support`).
+presence is static. The constructors check the inputs with `_validate` and put them in
+canonical form: equal calls give equal specs. The spec names the kernel variant it
+needs (`banded`, `segment_kernel`); which built kernel runs it, and whether one can, is
+`_kernel_select`'s question.
 
 Refusals: `ValueError` for malformed input, `NotImplementedError(reason)` (raised by the
-caller with `kernel_support()`'s reason) for a capability gap, both before tracing.
+caller with `_kernel_select.kernel_support`'s reason) for a capability gap, both before
+tracing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from jax_fa4 import _registry
-
-# Numpy dtype names of the inputs the kernels take -> the manifest's dtype names.
-KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+from jax_fa4 import _validate
 
 # How the forward runs (set by `_api` after it checked the platform):
 #   "cute": the kernel, unconditionally.
@@ -33,9 +29,6 @@ KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
 #       where the kernels cannot run, `_fallback`).
 #   "reference": the pure-JAX reference.
 PATHS = ("cute", "platform", "cudnn", "reference")
-
-# The kernels' grids are (tiles, heads, batch): y and z stop at 65535 (ffi/handler_common.h).
-GRID_YZ_LIMIT = 65535
 
 # Where query row i is aligned on the key axis (see `_masks`).
 ALIGNMENTS = ("bottom_right", "top_left")
@@ -91,14 +84,11 @@ class AttentionSpec:
                     kv_lengths=None, deterministic=False) -> AttentionSpec:
         """Validates q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (arrays or
         ShapeDtypeStructs), the feature arrays and the static arguments."""
-        dims = _check_operands(q, k, v, varlen=False)
+        dims = _validate.check_operands(q, k, v, varlen=False)
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
-        if (q_segment_ids is None) != (kv_segment_ids is None):
-            raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-        _check_int_array("q_segment_ids", q_segment_ids, (batch, sq), "(B, Sq)")
-        _check_int_array("kv_segment_ids", kv_segment_ids, (batch, sk), "(B, Sk)")
-        _check_int_array("q_lengths", q_lengths, (batch,), "(B,)")
-        _check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
+        _validate.check_segments_and_lengths(
+            batch, sq, sk, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+            q_lengths=q_lengths, kv_lengths=kv_lengths)
         if alignment == "top_left" and sq == sk and q_lengths is None and kv_lengths is None:
             alignment = "bottom_right"  # the same band when Sq == Sk: keeps the kernel path
         spec = cls._build(
@@ -106,7 +96,7 @@ class AttentionSpec:
             alignment=alignment, window=window, softcap=softcap, sinks=sinks,
             has_segment_ids=q_segment_ids is not None, has_q_lengths=q_lengths is not None,
             has_kv_lengths=kv_lengths is not None,
-            deterministic=_static_bool("deterministic", deterministic))
+            deterministic=_validate.static_bool("deterministic", deterministic))
         if (sq == 1 and spec.causal and spec.alignment == "bottom_right"
                 and spec.window_left is None):
             # A decode step: the one query sits at the last valid key and sees them all.
@@ -120,42 +110,32 @@ class AttentionSpec:
                            sinks=None, deterministic=False) -> AttentionSpec:
         """Validates q (total_q, Hq, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv),
         cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32 and the static arguments."""
-        dims = _check_operands(q, k, v, varlen=True)
-        for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-            if cu is None or not _is_array(cu) or len(cu.shape) != 1 or not cu.shape[0]:
-                raise ValueError(f"{name} must be an int32 array of shape (num_seqs + 1,); "
-                                 f"got {_describe(cu)}")
-            _check_int_array(name, cu, tuple(cu.shape), "(num_seqs + 1,)")
-        if cu_seqlens_q.shape != cu_seqlens_k.shape:
-            raise ValueError(
-                "cu_seqlens_q and cu_seqlens_k must have the same shape (num_seqs + 1,); "
-                f"got {tuple(cu_seqlens_q.shape)} and {tuple(cu_seqlens_k.shape)}")
+        dims = _validate.check_operands(q, k, v, varlen=True)
+        _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
         return cls._build(
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks, varlen=True,
-            max_seqlen_q=_static_int("max_seqlen_q", max_seqlen_q),
-            max_seqlen_k=_static_int("max_seqlen_k", max_seqlen_k),
-            deterministic=_static_bool("deterministic", deterministic))
+            max_seqlen_q=_validate.static_int("max_seqlen_q", max_seqlen_q),
+            max_seqlen_k=_validate.static_int("max_seqlen_k", max_seqlen_k),
+            deterministic=_validate.static_bool("deterministic", deterministic))
 
     @classmethod
     def _build(cls, dims, *, causal, softmax_scale, return_lse, alignment, window, softcap,
                sinks, **flags) -> AttentionSpec:
         dtype, head_dim, head_dim_v, heads_q, heads_kv = dims
-        if sinks is not None and not (_is_array(sinks) and tuple(sinks.shape) == (heads_q,)
-                                      and jnp.issubdtype(sinks.dtype, jnp.floating)):
-            raise ValueError(f"sinks must be a floating-point array of shape (Hq,) = "
-                             f"({heads_q},); got {_describe(sinks)}")
-        causal, left, right = _band(_static_bool("causal", causal), window)
+        _validate.check_sinks(sinks, heads_q)
+        causal, left, right = _validate.band(_validate.static_bool("causal", causal), window)
         if alignment not in ALIGNMENTS:
             raise ValueError(f"alignment must be one of {ALIGNMENTS}; got {alignment!r}")
         if not causal and left is None and right is None:
             alignment = "bottom_right"  # no band: alignment means nothing
         return cls(
             dtype=dtype, head_dim=head_dim, causal=causal,
-            softmax_scale=_static_scale(softmax_scale, head_dim),
-            return_lse=_static_bool("return_lse", return_lse), head_dim_v=head_dim_v,
-            group_size=heads_q // heads_kv if heads_kv else 1, alignment=alignment,
-            window_left=left, window_right=right, softcap=_static_softcap(softcap),
+            softmax_scale=_validate.static_scale(softmax_scale, head_dim),
+            return_lse=_validate.static_bool("return_lse", return_lse),
+            head_dim_v=head_dim_v, group_size=heads_q // heads_kv if heads_kv else 1,
+            alignment=alignment, window_left=left, window_right=right,
+            softcap=_validate.static_softcap(softcap),
             has_sinks=sinks is not None, **flags)
 
     def with_path(self, path: str) -> AttentionSpec:
@@ -166,7 +146,7 @@ class AttentionSpec:
         its own (None: no band), in `_build`'s canonical form: the local band of one
         chunk pair of the automatic ring (`_ring.Cut`), where query and key chunks start
         at the pair's own first positions."""
-        causal, left, right = _band(False, window)
+        causal, left, right = _validate.band(False, window)
         banded = causal or (left, right) != (None, None)
         return dataclasses.replace(self, causal=causal, window_left=left, window_right=right,
                                    alignment="top_left" if banded else "bottom_right")
@@ -204,86 +184,6 @@ class AttentionSpec:
         return dict(causal=self.causal, softmax_scale=self.softmax_scale,
                     alignment=self.alignment, window=self.window, softcap=self.softcap)
 
-    @property
-    def kernel_dtype(self) -> str | None:
-        """The manifest's name for this dtype ("bf16", "fp16"); None if no kernel takes it."""
-        return KERNEL_DTYPES.get(self.dtype)
-
-    @property
-    def kernel_head_dims(self) -> tuple[int, int] | None:
-        """(D, Dv) of the kernels this spec runs: of those built (for its dtype and
-        variant) that hold D and Dv, the one with the least D + Dv (the work per score),
-        then the least D. Smaller inputs are zero-padded to it (exact: zero columns add
-        nothing to q.k, and out's extra columns are dropped). None if none holds them."""
-        if self.kernel_dtype is None:
-            return None
-        built = {_registry.head_dims(e) for e in _registry.manifest()}
-        fits = [(d + dv, d, dv) for d, dv in built
-                if d >= self.head_dim and dv >= self.head_dim_v
-                and self._find_kernel("fwd", (d, dv)) is not None]
-        return min(fits)[1:] if fits else None
-
-    def for_kernel(self) -> AttentionSpec:
-        """This spec at kernel_head_dims, the shapes the kernel calls see."""
-        d, dv = self.kernel_head_dims
-        return dataclasses.replace(self, head_dim=d, head_dim_v=dv)
-
-    @property
-    def kernel_name(self) -> str | None:
-        """The forward kernel for (dtype, kernel_head_dims, variant); None if none was
-        built."""
-        entry = self._find_kernel("fwd")
-        return entry["name"] if entry else None
-
-    @property
-    def fwd_kernel(self) -> dict | None:
-        """The manifest entry of the forward kernel; None if none was built."""
-        return self._find_kernel("fwd")
-
-    @property
-    def bwd_kernel(self) -> dict | None:
-        """The manifest entry of the backward kernel for (dtype, kernel_head_dims,
-        variant); None if none was built (the kernel paths then differentiate with the
-        reference)."""
-        return self._find_kernel("bwd")
-
-    def _find_kernel(self, kind: str, dims: tuple[int, int] | None = None) -> dict | None:
-        """The manifest entry of this spec's variant at head dims (D, Dv) (default:
-        kernel_head_dims); None if none was built. A split forward is a variant of the
-        banded kernel (an unbounded band stands for no mask)."""
-        dims = self.kernel_head_dims if dims is None else dims
-        if dims is None:
-            return None
-        split = kind == "fwd" and self.num_splits > 1
-        return _registry.find_kernel(kind, self.kernel_dtype, dims, self.banded or split,
-                                     self.softcap is not None, self.segment_kernel, split)
-
-    def kernel_support(self) -> tuple[bool, str]:
-        """Whether a compiled kernel covers this spec (devices are `_api`'s concern)."""
-        if self.kernel_dtype is None:
-            return False, (
-                f"dtype {self.dtype} has no kernel; the kernels take bfloat16 or float16"
-            )
-        if self.softmax_scale <= 0:
-            return False, f"the kernels need softmax_scale > 0; got {self.softmax_scale}"
-        if reason := _registry.native_reason():
-            return False, reason
-        if self.kernel_name is None:
-            built = ", ".join(str(d) if d == dv else f"{d}/{dv}" for d, dv in sorted(
-                {_registry.head_dims(e) for e in _registry.manifest()
-                 if (e["kind"], e["dtype"]) == ("fwd", self.kernel_dtype)}))
-            masked = self.causal or self.window != (None, None)
-            dims = (f"head_dim={self.head_dim}" if self.head_dim_v == self.head_dim
-                    else f"head_dims D={self.head_dim}, Dv={self.head_dim_v}")
-            return False, (
-                f"no compiled kernel for dtype={self.kernel_dtype} {dims} "
-                f"mask={'causal/window' if masked else 'none'}"
-                f"{' softcap' if self.softcap is not None else ''}"
-                f"{' segments' if self.segment_kernel else ''}; head_dims built for "
-                f"{self.kernel_dtype} (D or D/Dv): [{built}] (smaller ones run zero-padded)"
-            )
-        return True, ""
-
     def ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_fwd` custom call: causal (the banded kernel) -> i1,
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
@@ -300,7 +200,7 @@ class AttentionSpec:
         return {**self._band_attributes(self.banded), "deterministic": self.deterministic}
 
     def _band_attributes(self, banded: bool) -> dict:
-        def side(value):  # < 2^31 (_band); MakeBand clamps the band to +-2^30
+        def side(value):  # < 2^31 (_validate.band); MakeBand clamps the band to +-2^30
             return np.int32(-1 if value is None else value)
 
         return {"causal": banded, "softmax_scale": np.float32(self.softmax_scale),
@@ -309,142 +209,3 @@ class AttentionSpec:
                 "top_left": self.alignment == "top_left",
                 "softcap": np.float32(self.softcap or 0.0)}
 
-
-def grid_support(batch, heads) -> tuple[bool, str]:
-    """Whether the kernels' grids hold `batch` and `heads` (query heads: pack-GQA would
-    need fewer, but the plain layout must fit too). Symbolic sizes (jax.export) are
-    checked by the handler at run time."""
-    for name, size in (("batch", batch), ("heads Hq", heads)):
-        if isinstance(size, int) and size > GRID_YZ_LIMIT:
-            return False, (f"the kernels take {name} <= {GRID_YZ_LIMIT} (a grid "
-                           f"dimension); got {size}")
-    return True, ""
-
-
-def _check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:
-    """Checks q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (no B in varlen);
-    -> (dtype, D, Dv, Hq, Hkv)."""
-    rank, legend = (3, "(total, H, D)") if varlen else (4, "(B, S, H, D)")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_array(x):
-            raise ValueError(
-                f"{name} must be an array or jax.ShapeDtypeStruct; got {type(x).__name__}"
-            )
-        if len(x.shape) != rank:
-            raise ValueError(
-                f"{name} must have rank {rank} {legend}; got shape {tuple(x.shape)}"
-            )
-    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
-    if not varlen and not q.shape[0] == k.shape[0] == v.shape[0]:
-        raise ValueError(f"q, k, v must have the same batch size B; got {shapes}")
-    (heads_q, head_dim), (heads_kv, _), head_dim_v = q.shape[-2:], k.shape[-2:], v.shape[-1]
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k and v must have the same number of heads Hkv; got {shapes}")
-    if heads_kv == 0 and heads_q != 0 or heads_kv and heads_q % heads_kv:
-        raise ValueError(
-            f"the query heads Hq must be a multiple of the key/value heads Hkv (GQA/MQA); "
-            f"got {shapes}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim D; got {shapes}")
-    if k.shape[-3] != v.shape[-3]:
-        raise ValueError(f"k and v must have the same sequence length Sk; got {shapes}")
-    for name, dim in (("head_dim D", head_dim), ("head_dim Dv of v", head_dim_v)):
-        if not isinstance(dim, int) or dim < 1:
-            raise ValueError(f"{name} must be a static positive integer; got {dim!r}")
-    dtypes = {jnp.dtype(x.dtype) for x in (q, k, v)}
-    if len(dtypes) != 1:
-        raise ValueError(
-            f"q, k, v must have the same dtype; got {q.dtype}, {k.dtype}, {v.dtype}"
-        )
-    (dtype,) = dtypes
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"q, k, v must have a floating-point dtype; got {dtype}")
-    return dtype.name, head_dim, head_dim_v, heads_q, heads_kv
-
-
-def _is_array(x) -> bool:
-    return hasattr(x, "shape") and hasattr(x, "dtype")
-
-
-def _describe(x) -> str:
-    if _is_array(x):
-        return f"{jnp.dtype(x.dtype).name} array of shape {tuple(x.shape)}"
-    return repr(x) if x is None else type(x).__name__
-
-
-def _check_int_array(name: str, x, shape: tuple, legend: str) -> None:
-    """None, or an int32 array (or ShapeDtypeStruct) of exactly `shape`."""
-    if x is None:
-        return
-    if not (_is_array(x) and tuple(x.shape) == shape and jnp.dtype(x.dtype) == jnp.int32):
-        raise ValueError(
-            f"{name} must be an int32 array of shape {legend} = {shape}; got {_describe(x)}")
-
-
-def _band(causal: bool, window) -> tuple[bool, int | None, int | None]:
-    """(causal, left, right) in canonical form: right is None when causal, and a window
-    whose right side is 0 is causal."""
-    if window is None:
-        return causal, None, None
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
-        raise ValueError(
-            f"window must be a (left, right) pair of non-negative ints or None; got {window!r}")
-    # A side at least 2^31 reaches past any sequence (sizes are int32): unbounded.
-    left, right = (None if side is not None and side >= 1 << 31 else side
-                   for side in (_static_int("window left side", window[0], allow_none=True),
-                                _static_int("window right side", window[1], allow_none=True)))
-    if causal and right:
-        raise ValueError(
-            f"causal=True means a window right side of 0; got window={tuple(window)} "
-            "(pass causal=False for a window that sees keys after the aligned one)")
-    return causal or right == 0, left, None if right == 0 else right
-
-
-def _static_int(name: str, value, *, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(f"{name} must be a static Python int, not a traced value")
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
-        kind = "int or None" if allow_none else "int"
-        raise ValueError(f"{name} must be a static Python {kind}; got {value!r}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0; got {value}")
-    return int(value)
-
-
-def _static_bool(name: str, value) -> bool:
-    if isinstance(value, (bool, np.bool_)):
-        return bool(value)
-    raise ValueError(f"{name} must be a static Python bool; got {value!r}")
-
-
-def _static_number(name: str, value) -> float:
-    if isinstance(value, jax.core.Tracer):
-        raise ValueError(
-            f"{name} must be a static Python number, not a traced value: it is "
-            "compiled into the call (pass it as a constant or mark it static in jit)"
-        )
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
-        raise ValueError(
-            f"{name} must be a static Python number; got {type(value).__name__}"
-        )
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be finite; got {number}")
-    return number
-
-
-def _static_scale(softmax_scale, head_dim: int) -> float:
-    if softmax_scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    return _static_number("softmax_scale", softmax_scale)
-
-
-def _static_softcap(softcap) -> float | None:
-    if softcap is None:
-        return None
-    softcap = _static_number("softcap", softcap)
-    if softcap <= 0:
-        raise ValueError(f"softcap must be > 0 (or None for no softcap); got {softcap}")
-    return softcap

@@ -14,7 +14,8 @@ import functools
 
 import jax
 
-from jax_fa4 import _ffi_calls, _pack_gqa, _ring, _segment_plan, _sharding
+from jax_fa4 import (_ffi_calls, _kernel_select, _pack_gqa, _ring, _segment_plan, _sharding,
+                     _varying)
 from jax_fa4._reference import (reference_attention, reference_attention_visible,
                                 reference_backward)
 from jax_fa4._spec import AttentionSpec
@@ -91,14 +92,14 @@ def _bwd(spec, residuals, cotangents):
     # custom_vjp instantiates symbolic-zero cotangents, so dlse is a (B, H, Sq) fp32
     # array of zeros when lse is not an output (or not used), as the kernel needs.
     dout, dlse = cotangents
-    if spec.bwd_kernel is None:
+    if _kernel_select.bwd_kernel(spec) is None:
         # XLA partitions the pure-JAX backward itself (per batch and head, no collectives).
         grads = _reference_backward(spec, q, k, v, out, dout, lse, dlse, *segments)
     elif segments:
         grads = _sharded_backward_segments(spec)(q, k, v, out, dout, lse, dlse, *segments)
     else:
         grads = _sharded_backward(spec)(q, k, v, out, dout, lse, dlse)
-    return (*_sharding.sum_like((q, k, v), grads), None)
+    return (*_varying.sum_like((q, k, v), grads), None)
 
 
 attention.defvjp(_fwd, _bwd)

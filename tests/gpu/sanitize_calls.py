@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import _ffi_calls, _split_kv
+from jax_fa4 import _ffi_calls, _kernel_select, _split_kv
 
 # Sq and Sk fill no tile or block of any kernel (tile_m 64..192, tile_n 64..128) and
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
@@ -170,8 +170,8 @@ def ffi_kernels():
 
     def recording(build, kind):
         def wrapper(*args, spec):
-            entry = spec.fwd_kernel if kind == "fwd" else spec.bwd_kernel
-            built.add((kind, entry["name"]))
+            find = _kernel_select.fwd_kernel if kind == "fwd" else _kernel_select.bwd_kernel
+            built.add((kind, find(spec)["name"]))
             return build(*args, spec=spec)
         return wrapper
 
