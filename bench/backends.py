@@ -9,7 +9,8 @@ them as segment ids, jax_fa4_varlen as attention_varlen's cu_seqlens over the fl
 batch, and jax.nn, which has neither, runs them as a batch of B * documents rows (the
 dense problem without masking, possible only because the documents are equal). Backends in
 DETERMINISTIC also take deterministic=True: a backward that is bitwise reproducible (the
-bwd_det pass).
+bwd_det pass). Backends in PAGED take page_size and read K and V as a paged cache (its
+pages in a fixed random order), forward only: jax_fa4_paged, `paged_attention`.
 """
 
 import jax
@@ -53,6 +54,27 @@ def _jax_fa4_varlen(causal, window_left=None, softcap=None, documents=None,
     return attend
 
 
+def _jax_fa4_paged(causal, window_left=None, softcap=None, documents=None, page_size=None):
+    if not page_size or documents:
+        raise NotImplementedError("jax_fa4_paged needs a page size and runs no documents")
+    window = None if window_left is None else (window_left, None)
+
+    def attend(q, k, v):
+        b, s = k.shape[:2]
+        if s % page_size:
+            raise NotImplementedError(f"the key length {s} is not a multiple of the page size")
+        # k and v as caches of b * s / page_size pages (a free reshape), read through a
+        # table that visits them in a random order: the lengths are the whole rows.
+        pages = b * s // page_size
+        table = jax.random.permutation(jax.random.key(0), pages).reshape(b, -1)
+        k_cache, v_cache = (x.reshape(pages, page_size, *x.shape[2:]) for x in (k, v))
+        return jax_fa4.paged_attention(q, k_cache, v_cache, table.astype(jnp.int32),
+                                       jnp.full((b,), s, jnp.int32), causal=causal,
+                                       window=window, softcap=softcap, implementation="cute")
+
+    return attend
+
+
 def _as_documents(documents, x):
     """(B, S, ...) -> (B * documents, S / documents, ...)."""
     b, s = x.shape[:2]
@@ -83,7 +105,9 @@ def _jax_nn(implementation):
 BACKENDS = {
     "jax_fa4": _jax_fa4,
     "jax_fa4_varlen": _jax_fa4_varlen,
+    "jax_fa4_paged": _jax_fa4_paged,
     "jax_cudnn": _jax_nn("cudnn"),
     "jax_xla": _jax_nn("xla"),
 }
 DETERMINISTIC = ("jax_fa4", "jax_fa4_varlen")
+PAGED = ("jax_fa4_paged",)

@@ -10,6 +10,8 @@
     python -m bench.run --seqlens 16384 --documents 8     # packed documents (+ jax_fa4_varlen)
     python -m bench.run --seqlens 8192 --seqlen-q 1 --batch 64 --heads 32 --heads-kv 8 \
         --causal false                                     # decode step (pack-GQA)
+    python -m bench.run --seqlens 131072 --seqlen-q 1 --batch 1 --heads 32 --heads-kv 8 \
+        --causal false --page-size 64       # decode over a paged cache (+ jax_fa4_paged)
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -30,7 +32,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.backends import BACKENDS, DETERMINISTIC
+from bench.backends import BACKENDS, DETERMINISTIC, PAGED
 from bench.flops import attention_flops
 from bench.timing import make_timer
 
@@ -52,11 +54,11 @@ def load_anchors():
 
 def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
             h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None,
-            dv=None):
+            dv=None, page_size=None):
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
     causal sliding window over window_left + 1 keys; scores capped at softcap; rows
     packed with `documents` equal documents, as segment ids; v and out of head_dim dv,
-    default d). The backward is timed as a whole vjp (which re-runs the forward) minus
+    default d; K and V as a cache of page_size pages for the PAGED backends). The backward is timed as a whole vjp (which re-runs the forward) minus
     `fwd_ms`, the convention of the anchors."""
     keys = jax.random.split(jax.random.key(0), 4)
     dv = dv or d
@@ -71,6 +73,8 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
         options["softcap"] = softcap
     if documents:
         options["documents"] = documents
+    if backend in PAGED:
+        options["page_size"] = page_size
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         ms = timer(attn, q, k, v, iterations=iterations)
@@ -105,6 +109,8 @@ def main():
                     help="query rows per sequence (decode-like: 1); default the key length "
                          "(needs --causal false: jax.nn aligns causal top-left)")
     ap.add_argument("--batch", type=int, help="batch size; default 16384 / seqlen")
+    ap.add_argument("--page-size", type=int,
+                    help="jax_fa4_paged reads K and V as a cache of pages of this many keys")
     ap.add_argument("--backends",
                     help="comma-separated; default all (jax_fa4_varlen with --documents only)")
     ap.add_argument("--passes", default="fwd",
@@ -115,7 +121,8 @@ def main():
     args = ap.parse_args()
 
     backends = (args.backends.split(",") if args.backends else
-                [be for be in BACKENDS if args.documents or be != "jax_fa4_varlen"])
+                [be for be in BACKENDS if (args.documents or be != "jax_fa4_varlen")
+                 and (args.page_size or be not in PAGED)])
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")
@@ -134,13 +141,16 @@ def main():
         ap.error("--softcap takes a value > 0")
     if args.documents is not None and args.documents < 1:
         ap.error("--documents takes a count >= 1")
+    if args.page_size is not None and (args.page_size < 1 or passes != ["fwd"]):
+        ap.error("--page-size takes a size >= 1, with the forward pass only")
     if args.seqlen_q is not None and (masks != ["false"] or args.seqlen_q < 1
                                       or args.documents):
         ap.error("--seqlen-q takes a length >= 1, with --causal false and no --documents")
     dtype = getattr(jnp, args.dtype)
     # The anchors are for the standard shapes only (all heads, 2048 / head_dim of them).
     standard = not (args.heads or args.heads_kv or args.window is not None or args.softcap
-                    or args.documents or args.seqlen_q or args.batch or args.hdim_v)
+                    or args.documents or args.seqlen_q or args.batch or args.hdim_v
+                    or args.page_size)
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
@@ -151,6 +161,7 @@ def main():
                      f", softcap {args.softcap:g}" if args.softcap else "",
                      f", {args.documents} documents per row" if args.documents else "",
                      f", {args.seqlen_q} query rows" if args.seqlen_q else "",
+                     f", pages of {args.page_size}" if args.page_size else "",
                      f", batch {args.batch}" if args.batch else ""])
     print(f"# {device}, jax {jax.__version__}, {args.dtype}, timing: {method}{shape}")
     header = ["pass", "d", "causal", "s"] + [f"{be} ms / TFLOP/s" for be in backends]
@@ -181,6 +192,8 @@ def main():
                                        **({"documents": args.documents}
                                           if args.documents else {}),
                                        **({"sq": args.seqlen_q} if args.seqlen_q else {}),
+                                       **({"page_size": args.page_size}
+                                          if args.page_size and be in PAGED else {}),
                                        **({"dv": args.hdim_v} if args.hdim_v else {}))
                             try:
                                 if mode != "fwd" and be not in fwd:
@@ -188,7 +201,8 @@ def main():
                                 rec.update(measure(timer, be, b, s, h, d, causal, dtype,
                                                    args.iterations, mode, fwd.get(be), h_kv,
                                                    args.window, args.softcap, args.documents,
-                                                   args.seqlen_q, args.hdim_v))
+                                                   args.seqlen_q, args.hdim_v,
+                                                   args.page_size))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]

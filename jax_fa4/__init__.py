@@ -24,7 +24,7 @@ a kernel) cuDNN through jax.nn.dot_product_attention or the reference, with a wa
 (`_fallback`). `supports` says why the kernel would not run and what runs instead,
 `kernels` lists the compiled kernels.
 `dot_product_attention` is jax.nn.dot_product_attention's signature and semantics on
-jax_fa4. `ring_attention` (with `zigzag` / `unzigzag`) splits sequences across devices inside
+jax_fa4; `paged_attention` attends over a paged KV cache (inference). `ring_attention` (with `zigzag` / `unzigzag`) splits sequences across devices inside
 `shard_map`. Framework adapters live in `jax_fa4.flax` and `jax_fa4.equinox` (imported
 on demand).
 """
@@ -32,6 +32,7 @@ on demand).
 from jax_fa4._api import attention, attention_varlen, kernels, supports
 from jax_fa4._context_parallel import ring_attention, unzigzag, zigzag
 from jax_fa4._jax_nn import dot_product_attention
+from jax_fa4._paged import paged_attention
 
 __all__ = ["attention", "attention_varlen", "dot_product_attention", "kernels",
-           "ring_attention", "supports", "unzigzag", "zigzag"]
+           "paged_attention", "ring_attention", "supports", "unzigzag", "zigzag"]

@@ -7,6 +7,8 @@ call be batched directly.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -33,7 +35,9 @@ def fwd(q, k, v, *segments, spec: AttentionSpec):
         jax.ShapeDtypeStruct((*lead, *splits, heads, sq), jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
-    extra = _segment_operands(segments, fwd_kernel(spec), _segment_plan.forward_plan)
+    plan = functools.partial(_segment_plan.forward_plan,
+                             one_segment=not (spec.has_segment_ids or spec.varlen))
+    extra = _segment_operands(segments, fwd_kernel(spec), plan)
     out, lse = call(q, k, v, *extra, **spec.ffi_attributes())
     if splits:
         out, lse = _split_kv.combine(out, lse, q.dtype)

@@ -23,7 +23,7 @@ def check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:
     -> (dtype, D, Dv, Hq, Hkv)."""
     rank, legend = (3, "(total, H, D)") if varlen else (4, "(B, S, H, D)")
     for name, x in (("q", q), ("k", k), ("v", v)):
-        if not _is_array(x):
+        if not is_array(x):
             raise ValueError(
                 f"{name} must be an array or jax.ShapeDtypeStruct; got {type(x).__name__}"
             )
@@ -64,19 +64,19 @@ def check_segments_and_lengths(batch, seqlen_q, seqlen_k, *, q_segment_ids,
     """Segment ids (B, Sq) / (B, Sk), given together, and lengths (B,): int32 or None."""
     if (q_segment_ids is None) != (kv_segment_ids is None):
         raise ValueError("q_segment_ids and kv_segment_ids must be given together")
-    _check_int_array("q_segment_ids", q_segment_ids, (batch, seqlen_q), "(B, Sq)")
-    _check_int_array("kv_segment_ids", kv_segment_ids, (batch, seqlen_k), "(B, Sk)")
-    _check_int_array("q_lengths", q_lengths, (batch,), "(B,)")
-    _check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
+    check_int_array("q_segment_ids", q_segment_ids, (batch, seqlen_q), "(B, Sq)")
+    check_int_array("kv_segment_ids", kv_segment_ids, (batch, seqlen_k), "(B, Sk)")
+    check_int_array("q_lengths", q_lengths, (batch,), "(B,)")
+    check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
 
 
 def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k) -> None:
     """cu_seqlens_q and cu_seqlens_k: int32 arrays of one shape (num_seqs + 1,)."""
     for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
-        if cu is None or not _is_array(cu) or len(cu.shape) != 1 or not cu.shape[0]:
+        if cu is None or not is_array(cu) or len(cu.shape) != 1 or not cu.shape[0]:
             raise ValueError(f"{name} must be an int32 array of shape (num_seqs + 1,); "
-                             f"got {_describe(cu)}")
-        _check_int_array(name, cu, tuple(cu.shape), "(num_seqs + 1,)")
+                             f"got {describe(cu)}")
+        check_int_array(name, cu, tuple(cu.shape), "(num_seqs + 1,)")
     if cu_seqlens_q.shape != cu_seqlens_k.shape:
         raise ValueError(
             "cu_seqlens_q and cu_seqlens_k must have the same shape (num_seqs + 1,); "
@@ -85,10 +85,10 @@ def check_cu_seqlens(cu_seqlens_q, cu_seqlens_k) -> None:
 
 def check_sinks(sinks, heads_q: int) -> None:
     """None, or a floating-point array of shape (Hq,)."""
-    if sinks is not None and not (_is_array(sinks) and tuple(sinks.shape) == (heads_q,)
+    if sinks is not None and not (is_array(sinks) and tuple(sinks.shape) == (heads_q,)
                                   and jnp.issubdtype(sinks.dtype, jnp.floating)):
         raise ValueError(f"sinks must be a floating-point array of shape (Hq,) = "
-                         f"({heads_q},); got {_describe(sinks)}")
+                         f"({heads_q},); got {describe(sinks)}")
 
 
 def band(causal: bool, window) -> tuple[bool, int | None, int | None]:
@@ -160,20 +160,20 @@ def _static_number(name: str, value) -> float:
     return number
 
 
-def _check_int_array(name: str, x, shape: tuple, legend: str) -> None:
+def check_int_array(name: str, x, shape: tuple, legend: str) -> None:
     """None, or an int32 array (or ShapeDtypeStruct) of exactly `shape`."""
     if x is None:
         return
-    if not (_is_array(x) and tuple(x.shape) == shape and jnp.dtype(x.dtype) == jnp.int32):
+    if not (is_array(x) and tuple(x.shape) == shape and jnp.dtype(x.dtype) == jnp.int32):
         raise ValueError(
-            f"{name} must be an int32 array of shape {legend} = {shape}; got {_describe(x)}")
+            f"{name} must be an int32 array of shape {legend} = {shape}; got {describe(x)}")
 
 
-def _is_array(x) -> bool:
+def is_array(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _describe(x) -> str:
-    if _is_array(x):
+def describe(x) -> str:
+    if is_array(x):
         return f"{jnp.dtype(x.dtype).name} array of shape {tuple(x.shape)}"
     return repr(x) if x is None else type(x).__name__

@@ -188,3 +188,21 @@ def test_varlen_kernel_path_equals_the_reference_path(built, paths, kwargs):
             q, k, v, **call, implementation=implementation), q, k, v)
     assert out.shape == (64, 4, 64) and lse.shape == (4, 64)
     assert np.isinf(lse[:, :2]).all() and np.isinf(lse[:, 60:]).all()
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_one_segment_forward_plan_is_the_plan(seed):
+    """Without segment ids (lengths, bands, pack-GQA's repeated rows) the forward plan's
+    short form is the general plan, entry for entry."""
+    spec, b, sq, sk, arrays = _draw(seed)
+    tile_m, tile_n = TILES[seed % len(TILES)]
+    arrays.update(q_segment_ids=None, kv_segment_ids=None)
+    if seed % 5 == 0:
+        arrays.update(q_lengths=jnp.asarray([0, -4], jnp.int32),
+                      kv_lengths=jnp.asarray([sk + 9, 0], jnp.int32))
+    rows, keys = _segment_plan.padded_rows(spec, sq, sk, batch=b, **arrays)
+    if seed % 3 == 0:  # pack-GQA: each row repeated per query head of a group
+        rows = jnp.repeat(rows, 4, axis=-1)
+    np.testing.assert_array_equal(
+        _segment_plan.forward_plan(rows, keys, tile_m, tile_n, one_segment=True),
+        _segment_plan.forward_plan(rows, keys, tile_m, tile_n))

@@ -1,0 +1,153 @@
+"""paged_attention (jax_fa4/_paged.py): equal to `attention` over the same keys held
+densely, for pages in any order, ragged and out-of-range lengths and page ids; its
+validation; no gradient; and the kernel call it lowers to for CUDA."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import _api, _paged
+
+B, HQ, HKV, D = 3, 4, 2, 16
+
+
+def _cache(rng, page_size, max_pages, num_pages, dv=D, dtype=jnp.float32):
+    """Dense K, V (B, max_pages * page_size, Hkv, D / Dv) scattered into a cache of
+    num_pages pages (pages in random order, spare pages filled with noise), and the
+    page table that reads them back."""
+    length = max_pages * page_size
+    k = rng.standard_normal((B, length, HKV, D)).astype(np.float32)
+    v = rng.standard_normal((B, length, HKV, dv)).astype(np.float32)
+    order = rng.permutation(num_pages)[:B * max_pages].reshape(B, max_pages)
+    k_cache = rng.standard_normal((num_pages, page_size, HKV, D)).astype(np.float32)
+    v_cache = rng.standard_normal((num_pages, page_size, HKV, dv)).astype(np.float32)
+    k_cache[order] = k.reshape(B, max_pages, page_size, HKV, D)
+    v_cache[order] = v.reshape(B, max_pages, page_size, HKV, dv)
+    arrays = k, v, k_cache, v_cache
+    return (*(jnp.asarray(x, dtype) for x in arrays), jnp.asarray(order, jnp.int32))
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("sq,options", [
+    (1, {}),
+    (3, {"causal": True}),
+    (5, {"causal": True, "window": (40, 0), "softcap": 7.0}),
+    (2, {"causal": False, "sinks": True}),
+])
+def test_paged_equals_dense(page_size, sq, options):
+    rng = np.random.default_rng(page_size * 10 + sq)
+    max_pages = max(2, 300 // page_size)
+    k, v, k_cache, v_cache, table = _cache(rng, page_size, max_pages, B * max_pages + 3)
+    q = jnp.asarray(rng.standard_normal((B, sq, HQ, D)), jnp.float32)
+    capacity = max_pages * page_size
+    # A full sequence, a ragged one, an empty one.
+    lengths = jnp.asarray([capacity, capacity // 2 + 7, 0], jnp.int32)
+    options = dict(options)
+    if options.pop("sinks", False):
+        options["sinks"] = jnp.asarray(rng.standard_normal(HQ), jnp.float32)
+    out, lse = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
+                                       return_lse=True, **options)
+    options.setdefault("causal", True)
+    want_out, want_lse = jax_fa4.attention(q, k, v, kv_lengths=lengths, return_lse=True,
+                                           **options)
+    np.testing.assert_allclose(out, want_out, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-6, rtol=1e-6)
+    assert not np.any(out[2]) and np.all(np.isneginf(lse[2])) or "sinks" in options
+
+
+def test_out_of_range_values_are_clipped():
+    """Lengths past the table's capacity mean all of it, negative ones none; page ids
+    outside [0, num_pages) read the nearest page."""
+    rng = np.random.default_rng(0)
+    _, _, k_cache, v_cache, table = _cache(rng, 16, 4, 20)
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    wild = table.at[0, 1].set(-5).at[1, 3].set(1000)
+    clipped = jnp.clip(wild, 0, 19)
+    lengths = jnp.asarray([10_000, -3, 40], jnp.int32)
+    got = jax_fa4.paged_attention(q, k_cache, v_cache, wild, lengths)
+    want = jax_fa4.paged_attention(q, k_cache, v_cache, clipped,
+                                   jnp.asarray([64, 0, 40], jnp.int32))
+    np.testing.assert_array_equal(got, want)
+
+
+def test_jit_and_changing_tables():
+    rng = np.random.default_rng(1)
+    k, v, k_cache, v_cache, table = _cache(rng, 32, 3, 12)
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    step = jax.jit(jax_fa4.paged_attention)
+    for n in ([96, 1, 50], [5, 96, 0]):
+        lengths = jnp.asarray(n, jnp.int32)
+        np.testing.assert_allclose(
+            step(q, k_cache, v_cache, table, lengths),
+            jax_fa4.attention(q, k, v, kv_lengths=lengths, causal=True), atol=1e-6)
+
+
+def test_gradients_are_refused():
+    rng = np.random.default_rng(2)
+    _, _, k_cache, v_cache, table = _cache(rng, 16, 2, 8)
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    lengths = jnp.asarray([3, 20, 32], jnp.int32)
+    loss = lambda q: jnp.sum(jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths))
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        jax.grad(loss)(q)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(q=jnp.zeros((B, HQ, D))), "q must be an array of rank 4"),
+    (dict(v_cache=jnp.zeros((9, 16, HKV, D))), "same \\(num_pages, page_size, Hkv\\)"),
+    (dict(k_cache=jnp.zeros((0, 16, HKV, D)), v_cache=jnp.zeros((0, 16, HKV, D))),
+     "at least one page"),
+    (dict(page_table=jnp.zeros((B + 1, 2), jnp.int32)), "page_table must be an int32 array"),
+    (dict(page_table=jnp.zeros((B, 2), jnp.float32)), "page_table must be an int32 array"),
+    (dict(kv_lengths=None), "kv_lengths must be an int32 array"),
+    (dict(kv_lengths=jnp.zeros((B, 1), jnp.int32)), "kv_lengths must be an int32 array"),
+    (dict(k_cache=jnp.zeros((8, 16, 3, D)), v_cache=jnp.zeros((8, 16, 3, D))),
+     "multiple of the key/value heads"),
+])
+def test_validation(change, message):
+    args = dict(q=jnp.zeros((B, 1, HQ, D)), k_cache=jnp.zeros((8, 16, HKV, D)),
+                v_cache=jnp.zeros((8, 16, HKV, D)), page_table=jnp.zeros((B, 2), jnp.int32),
+                kv_lengths=jnp.zeros((B,), jnp.int32))
+    args.update(change)
+    with pytest.raises(ValueError, match=message):
+        jax_fa4.paged_attention(**args)
+
+
+def sds(*shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def test_decode_lowers_to_the_kernel(built):
+    """bf16 decode over 64-key pages lowers for CUDA to the forward kernel (split-KV:
+    batch 1 leaves SMs idle), without a backward."""
+    q, cache = sds(1, 1, 32, 128), sds(300, 64, 8, 128)
+    table, lengths = sds(1, 128, dtype=jnp.int32), sds(1, dtype=jnp.int32)
+    text = jax.jit(jax_fa4.paged_attention).trace(q, cache, cache, table, lengths).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @jax_fa4_fwd(") == 1 and "jax_fa4_bwd" not in text
+    if _api._sm_count() == 132:
+        assert "num_splits = 16 : i32" in text
+
+
+def test_warns_on_a_gpu_that_pages_are_gathered(monkeypatch, fresh_warnings):
+    """On a GPU the gather costs a copy of the cache per call: said once; not on CPUs,
+    where the reference runs anyway, nor when the reference is asked for."""
+    rng = np.random.default_rng(3)
+    _, _, k_cache, v_cache, table = _cache(rng, 16, 2, 8)
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    lengths = jnp.asarray([3, 20, 32], jnp.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths)
+        monkeypatch.setattr(_api, "_gpu_devices", lambda: ("a GPU",))
+        jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
+                                implementation="reference")
+        for _ in range(2):
+            jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths)
+    # (The fake GPU, no Hopper, also brings the fallback's own warning.)
+    assert [str(w.message) for w in caught if "gathers" in str(w.message)] == [
+        _paged.GATHER_WARNING]
