@@ -11,7 +11,10 @@
 // the band attributes are then unused, the rows carry it. num_splits (i32) > 1 selects
 // the split-KV variant of the banded kernel: the results are then fp32 partials, out
 // (..., num_splits, Sq, H, Dv) normalized per split and lse (..., num_splits, H, Sq),
-// which jax_fa4 combines (an empty split gives 0 and -inf).
+// which jax_fa4 combines (an empty split gives 0 and -inf). A fourth operand after the
+// segment ones, the page table (..., max_pages) int32, selects the paged variant: k and v
+// are then caches (num_pages, page_size, Hkv, D / Dv) with page_size a multiple of
+// kPageRows, and Sk is max_pages * page_size (kernels/sm90/paged.py).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
@@ -36,32 +39,66 @@ std::string Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
   return Shapes({{"q", q}, {"k", k}, {"v", v}});
 }
 
+constexpr int64_t kPageRows = 16;  // kernels/sm90/paged.py PAGE_ROWS
+constexpr size_t kSegmentOperands = 3, kPagedOperands = 4;
+
 struct FwdProblem {
   const FwdKernel* kernel;
   int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv, head_dim_v;
+  // Paged calls: the cache's pages and rows per page, and the table's entries per batch.
+  int64_t num_pages = 0, page_size = 0, max_pages = 0;
 };
 
-// Validates the operands and picks the kernel; shared by both stages.
+// The page table's entries per batch (its last dimension); 0 without one.
+ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
+  if (rest.size() != kPagedOperands) return int64_t{0};
+  auto table = rest.get<ffi::AnyBuffer>(kPagedOperands - 1);
+  if (table.has_error()) return table.error();
+  auto dims = table->dimensions();
+  if (table->element_type() != ffi::DataType::S32 || dims.size() == 0 || dims.back() < 1)
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: the page table must be int32 "
+                                       "(..., max_pages) with max_pages >= 1; got " +
+                                       Dims(dims));
+  return dims.back();
+}
+
+// Validates the operands and picks the kernel; shared by both stages. max_pages > 0:
+// a paged call, k and v are caches.
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                 const ffi::AnyBuffer& v, bool causal, float softcap,
-                                bool segments, int32_t num_splits) {
+                                bool segments, int32_t num_splits, int64_t max_pages) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
-  if (qd.size() < 3 || kd.size() != qd.size() || vd.size() != qd.size())
-    return ffi::Error::InvalidArgument("jax_fa4_fwd: q, k, v must have the same rank >= 3 "
-                                       "(..., S, H, D); got " + shapes);
+  const bool paged = max_pages > 0;
+  if (qd.size() < 3 || (paged ? kd.size() != 4 || vd.size() != 4
+                              : kd.size() != qd.size() || vd.size() != qd.size()))
+    return ffi::Error::InvalidArgument(
+        "jax_fa4_fwd: q, k, v must have the same rank >= 3 (..., S, H, D), or k and v be "
+        "caches (num_pages, page_size, H, D) with a page table; got " + shapes);
   const size_t r = qd.size();
   int64_t batch = 1;
   for (size_t i = 0; i + 3 < r; ++i) {
-    if (kd[i] != qd[i] || vd[i] != qd[i])
+    if (!paged && (kd[i] != qd[i] || vd[i] != qd[i]))
       return ffi::Error::InvalidArgument("jax_fa4_fwd: leading (batch) dims differ: " + shapes);
     batch *= qd[i];
   }
-  FwdProblem p{nullptr, batch, qd[r - 3], kd[r - 3], qd[r - 2], qd[r - 1], kd[r - 2],
-               vd[r - 1]};
-  if (vd[r - 2] != p.heads_kv || kd[r - 1] != p.head_dim || vd[r - 3] != p.seqlen_k)
+  const size_t kr = kd.size();
+  FwdProblem p{nullptr, batch, qd[r - 3], kd[kr - 3], qd[r - 2], qd[r - 1], kd[kr - 2],
+               vd[kr - 1]};
+  if (vd[kr - 2] != p.heads_kv || kd[kr - 1] != p.head_dim || vd[kr - 3] != p.seqlen_k ||
+      (paged && vd[0] != kd[0]))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: heads, head_dim or seqlen_k of q, k, v "
                                        "disagree: " + shapes);
+  if (paged) {
+    p.num_pages = kd[0];
+    p.page_size = kd[1];
+    p.max_pages = max_pages;
+    p.seqlen_k = max_pages * p.page_size;
+    if (p.num_pages < 1 || p.page_size < kPageRows || p.page_size % kPageRows != 0)
+      return ffi::Error::InvalidArgument("jax_fa4_fwd: paged caches need pages and a page "
+                                         "size that is a multiple of " +
+                                         std::to_string(kPageRows) + ": " + shapes);
+  }
   if (!GroupsHeads(p.heads, p.heads_kv))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: the heads of k and v must divide the "
                                        "heads of q: " + shapes);
@@ -79,7 +116,7 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        "], and > 1 only with causal (the banded kernel)");
   const bool split = num_splits > 1;
   p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
-                           causal, softcap > 0.0f, segments, split);
+                           causal, softcap > 0.0f, segments, split, paged);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
@@ -87,7 +124,8 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        (causal ? ", causal" : ", non-causal") +
                                        (softcap > 0.0f ? ", softcap" : "") +
                                        (segments ? ", segments" : "") +
-                                       (split ? ", split" : "") + ": " + shapes);
+                                       (split ? ", split" : "") +
+                                       (paged ? ", paged" : "") + ": " + shapes);
   return p;
 }
 
@@ -96,7 +134,10 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                          bool causal, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          int32_t num_splits) {
-  auto problem = Select(q, k, v, causal, softcap, segments.size() > 0, num_splits);
+  auto max_pages = MaxPages(segments);
+  if (max_pages.has_error()) return max_pages.error();
+  auto problem = Select(q, k, v, causal, softcap, segments.size() > 0, num_splits,
+                        *max_pages);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -107,15 +148,28 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       bool causal, float softmax_scale, int32_t window_left,
                       int32_t window_right, bool top_left, float softcap,
                       int32_t num_splits) {
-  auto problem = Select(q, k, v, causal, softcap, segment_args.size() > 0, num_splits);
+  auto max_pages = MaxPages(segment_args);
+  if (max_pages.has_error()) return max_pages.error();
+  auto problem = Select(q, k, v, causal, softcap, segment_args.size() > 0, num_splits,
+                        *max_pages);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
   const int64_t q_tiles = (p.seqlen_q + p.kernel->tile_m - 1) / p.kernel->tile_m;
   const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
+  const bool paged = p.max_pages > 0;
   auto segments = ReadSegments(where, segment_args, p.batch, p.seqlen_q, p.seqlen_k, q_tiles,
-                               1 + key_blocks);
+                               1 + key_blocks, paged ? kPagedOperands - kSegmentOperands : 0);
   if (segments.has_error()) return segments.error();
+  void* page_table = nullptr;
+  if (paged) {
+    auto table = segment_args.get<ffi::AnyBuffer>(kPagedOperands - 1);
+    if (table.has_error()) return table.error();
+    if (static_cast<int64_t>(table->element_count()) != p.batch * p.max_pages)
+      return ffi::Error::InvalidArgument(where + ": the page table must have " +
+                                         std::to_string(p.max_pages) + " entries per batch");
+    page_table = table->untyped_data();
+  }
 
   const bool split = num_splits > 1;
   const ffi::DataType out_type = split ? ffi::DataType::F32 : q.element_type();
@@ -133,7 +187,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   // num_splits * batch.
   if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || p.seqlen_q > kInt32Max ||
       p.seqlen_k > kInt32Max || q_tiles * num_splits > kInt32Max ||
-      p.batch * num_splits > kInt32Max)
+      p.batch * num_splits > kInt32Max || p.num_pages * p.page_size > kInt32Max)
     return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
                                        "sequence lengths < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
@@ -162,6 +216,10 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                SoftcapScale(softmax_scale, softcap)};
   args.num_splits = num_splits;
   args.split_batch = static_cast<int32_t>(p.batch * num_splits);
+  args.page_table = page_table;
+  args.num_pages = static_cast<int32_t>(p.num_pages);
+  args.page_size = static_cast<int32_t>(p.page_size);
+  args.max_pages = static_cast<int32_t>(p.max_pages);
   segments->Into(args);
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
@@ -193,6 +251,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Arg<ffi::AnyBuffer>()      // k (..., Sk, H, D)
                                   .Arg<ffi::AnyBuffer>()      // v (..., Sk, H, D)
                                   .RemainingArgs()            // segments: rows, keys, plan
+                                                              // (+ page table: paged)
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
                                   .Attr<bool>("causal")

@@ -173,15 +173,18 @@ struct Segments {
 
 // `tiles` and `len` are what the kernel's tile sizes require of the plan; a mismatch is
 // an error, since the kernel indexes the plan with them.
+// `extra` more operands may follow them (the forward's page table).
 inline ffi::ErrorOr<Segments> ReadSegments(const std::string& handler,
                                            const ffi::RemainingArgs& rest, int64_t batch,
                                            int64_t seqlen_q, int64_t seqlen_k, int64_t tiles,
-                                           int64_t len) {
+                                           int64_t len, size_t extra = 0) {
   Segments s;
   if (rest.size() == 0) return s;
-  if (rest.size() != 3)
-    return ffi::Error::InvalidArgument(handler + ": expected 0 or 3 segment operands (rows, "
-                                       "keys, plan); got " + std::to_string(rest.size()));
+  if (rest.size() != 3 + extra)
+    return ffi::Error::InvalidArgument(handler + ": expected 0 or " + std::to_string(3 + extra) +
+                                       " operands after the fixed ones (rows, keys, plan" +
+                                       (extra ? ", page table" : "") + "); got " +
+                                       std::to_string(rest.size()));
   const char* names[] = {"rows", "keys", "plan"};
   const int64_t counts[] = {batch * 3 * seqlen_q, batch * seqlen_k, batch * tiles * len};
   const int64_t lasts[] = {seqlen_q, seqlen_k, len};

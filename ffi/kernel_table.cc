@@ -100,12 +100,13 @@ bool IsLoadedAt(int slot, int32_t device) {
 template <typename Args>
 const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head_dim,
                          int head_dim_v, bool causal, bool softcap, bool segments,
-                         bool split) {
+                         bool split, bool paged) {
   for (int i = 0; i < n; ++i) {
     const Kernel<Args>& k = table[i];
     if (k.dtype == dtype && k.head_dim == head_dim && k.head_dim_v == head_dim_v &&
         k.causal == causal &&
-        k.softcap == softcap && k.segments == segments && k.split == split)
+        k.softcap == softcap && k.segments == segments && k.split == split &&
+        k.paged == paged)
       return &k;
   }
   return nullptr;
@@ -116,15 +117,15 @@ const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head
 const char* DtypeName(Dtype dtype) { return dtype == Dtype::kBF16 ? "bf16" : "fp16"; }
 
 const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
-                               bool softcap, bool segments, bool split) {
+                               bool softcap, bool segments, bool split, bool paged) {
   return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, head_dim_v, causal, softcap,
-              segments, split);
+              segments, split, paged);
 }
 
 const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
                                bool softcap, bool segments) {
   return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, head_dim_v, causal, softcap,
-              segments, false);
+              segments, false, false);
 }
 
 BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q) {

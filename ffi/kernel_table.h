@@ -44,6 +44,13 @@ struct FwdArgs {
   // is 1 and split_batch is batch.
   int32_t num_splits;
   int32_t split_batch;  // batch * num_splits
+  // Paged kernels (kernels/sm90/paged.py): k, v are caches (num_pages, page_size,
+  // heads_kv, head_dim / head_dim_v), and key j of batch b is slot j % page_size of page
+  // page_table[b, j / page_size]; seqlen_k is max_pages * page_size. Others ignore these.
+  void* page_table;  // int32 (batch, 1, max_pages)
+  int32_t num_pages;
+  int32_t page_size;
+  int32_t max_pages;
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:
@@ -100,6 +107,7 @@ struct Kernel {
   bool softcap;  // scores capped as softcap * tanh(scores / softcap); banded only
   bool segments;  // visibility from per-row arrays and a plan (FwdArgs); banded only
   bool split;     // forward split-KV: fp32 partials per split (FwdArgs); banded only
+  bool paged;     // forward K/V read from a paged cache (FwdArgs); segment variants only
   int tile_m;
   int tile_n;
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
@@ -119,7 +127,7 @@ const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
 const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
-                               bool softcap, bool segments, bool split);
+                               bool softcap, bool segments, bool split, bool paged);
 const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
                                bool softcap, bool segments);
 

@@ -41,6 +41,7 @@ void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
     e["softcap"] = k.softcap;
     e["segments"] = k.segments;
     e["split"] = k.split;
+    e["paged"] = k.paged;
     e["tile_m"] = k.tile_m;
     e["tile_n"] = k.tile_n;
     if (k.dq_parts > 0) e["dq_parts"] = k.dq_parts;

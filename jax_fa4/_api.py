@@ -198,7 +198,7 @@ def supports(q, k, v, **kwargs) -> Support:
 
 def kernels() -> list[dict]:
     """The compiled kernels (name, kind, arch, dtype, head_dim, head_dim_v, causal,
-    softcap, segments, split, tile_m, tile_n, and dq_parts for backward kernels);
+    softcap, segments, split, paged, tile_m, tile_n, and dq_parts for backward kernels);
     [] when the native module is not built."""
     return _registry.manifest()
 

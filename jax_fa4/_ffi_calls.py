@@ -21,12 +21,13 @@ FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
 
 
-def fwd(q, k, v, *segments, spec: AttentionSpec):
+def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of `_segment_plan` for the
     segment kernels, from which the plan for the forward's tiles is made here. With
     spec.num_splits > 1 the kernel writes fp32 partials per split (after the batch),
-    combined here (`_split_kv`)."""
+    combined here (`_split_kv`). With spec.paged, k (P, page_size, Hkv, D) and v are
+    caches and `pages` (B, max_pages) int32 their table (`_paged`)."""
     *lead, sq, heads, _ = q.shape
     splits = (spec.num_splits,) if spec.num_splits > 1 else ()
     results = (
@@ -37,7 +38,8 @@ def fwd(q, k, v, *segments, spec: AttentionSpec):
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
-    extra = _segment_operands(segments, fwd_kernel(spec), plan)
+    extra = _segment_operands(segments, fwd_kernel(spec), plan) + (
+        (pages,) if spec.paged else ())
     out, lse = call(q, k, v, *extra, **spec.ffi_attributes())
     if splits:
         out, lse = _split_kv.combine(out, lse, q.dtype)

@@ -107,5 +107,6 @@ def _find(spec: AttentionSpec, kind: str, dims: tuple[int, int] | None = None) -
     if dims is None:
         return None
     split = kind == "fwd" and spec.num_splits > 1
+    paged = kind == "fwd" and spec.paged
     return _registry.find_kernel(kind, kernel_dtype(spec), dims, spec.banded or split,
-                                 spec.softcap is not None, spec.segment_kernel, split)
+                                 spec.softcap is not None, spec.segment_kernel, split, paged)

@@ -66,11 +66,11 @@ def _segments(segments, spec, q, k):
     return jnp.repeat(rows, spec.group_size, axis=-1), keys
 
 
-def fwd(q, k, v, *segments, spec):
+def fwd(q, k, v, *segments, spec, pages=None):
     """_ffi_calls.fwd on the packed problem."""
     g = spec.group_size
     out, lse = _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
-                              spec=spec)
+                              spec=spec, pages=pages)
     return _unrows(out, g), _lse_unrows(lse, g)
 
 

@@ -2,25 +2,31 @@
 
 A cache holds K and V in pages of `page_size` keys, (num_pages, page_size, Hkv, D / Dv);
 sequence b's key j lives in page page_table[b, j // page_size] at slot j % page_size, for
-j < kv_lengths[b]. Today the pages a batch's table names are gathered into a dense
-(B, max_pages * page_size, Hkv, D) copy, which `attention` then runs with kv_lengths
-(its kernels, split-KV included, where they run); a kernel that reads the pages in
-place is not built yet, and on a GPU the first call says so once.
+j < kv_lengths[b]. On the kernel paths the paged variant of the segment kernel reads the
+pages in place (kernels/sm90/paged.py), split-KV and pack-GQA included, for page sizes
+that are multiples of PAGE_ROWS and the built head dims (D 192 / Dv 128 aside). Other
+calls gather the pages a batch's table names into a dense (B, max_pages * page_size,
+Hkv, D) copy that `attention` runs with kv_lengths; on a GPU that says so once.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _api, _fallback, _validate
+from jax_fa4 import (_api, _fallback, _ffi_calls, _kernel_select, _pack_gqa, _segment_plan,
+                     _validate)
 
+# Keys per TMA copy of the paged kernels: page sizes they take are multiples of it.
+PAGE_ROWS = 16
 GATHER_WARNING = (
-    "jax_fa4.paged_attention gathers the pages of each call into a dense copy of K and V "
-    "before the attention kernel (no kernel reads the pages in place yet): it reads the "
-    "cache about three times per step")
+    "jax_fa4.paged_attention gathers the pages of this call into a dense copy of K and V "
+    "before the attention kernel (the paged kernels take page sizes that are multiples of "
+    f"{PAGE_ROWS} and the built head dims, D 192 / Dv 128 aside): it reads the cache about "
+    "three times per step")
 
 
 def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True, window=None,
@@ -45,13 +51,71 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True,
     jax.grad through it raises NotImplementedError.
     """
     _check(q, k_cache, v_cache, page_table, kv_lengths)
-    if _api._gpu_devices() and implementation != "reference":
-        _fallback.warn_message_once(GATHER_WARNING)
-    run = functools.partial(
-        _api.attention, causal=causal, window=window, softcap=softcap,
-        softmax_scale=softmax_scale, return_lse=return_lse, implementation=implementation)
-    return _inference_only(run, q, gather(k_cache, page_table),
-                           gather(v_cache, page_table), kv_lengths, sinks)
+    options = dict(causal=causal, window=window, softcap=softcap,
+                   softmax_scale=softmax_scale, implementation=implementation)
+    spec = _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, **options)
+    gathered = functools.partial(_gathered, functools.partial(_api.attention, **options,
+                                                              return_lse=True))
+    if spec is None:
+        if _api._gpu_devices() and implementation != "reference":
+            _fallback.warn_message_once(GATHER_WARNING)
+        run = gathered
+    elif spec.path == "platform":  # the kernel where lowered for CUDA
+        def run(*args):
+            return jax.lax.platform_dependent(
+                *args, cuda=functools.partial(_in_place, spec), default=gathered)
+    else:
+        run = functools.partial(_in_place, spec)
+    out, lse = _inference_only(run, q, k_cache, v_cache, page_table, kv_lengths, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implementation,
+                 **options):
+    """The spec of the paged kernel that runs this call in place, None when it takes the
+    gather (another path, a page size or head dims without a paged kernel, an empty
+    problem). implementation="cute" raises NotImplementedError with the reason instead."""
+    page_size = k_cache.shape[1]
+    batch, max_pages = page_table.shape
+    dense = [jax.ShapeDtypeStruct((batch, max_pages * page_size, *c.shape[2:]), c.dtype)
+             for c in (k_cache, v_cache)]
+    spec = _api._plan(q, *dense, return_lse=True, implementation=implementation,
+                      kv_lengths=kv_lengths, sinks=sinks, **options)
+    paged = dataclasses.replace(spec, paged=True)
+    reason = ""
+    if spec.path not in ("cute", "platform"):
+        return None
+    if page_size % PAGE_ROWS:
+        reason = f"the paged kernels take page sizes that are multiples of {PAGE_ROWS}"
+    elif _kernel_select.kernel_head_dims(spec) != (spec.head_dim, spec.head_dim_v):
+        reason = "the paged kernels run the built head dims only (no zero-padding)"
+    elif _kernel_select.fwd_kernel(paged) is None:
+        reason = f"no paged kernel for {_kernel_select.kernel_dtype(spec)} head dims " \
+                 f"{spec.head_dim} / {spec.head_dim_v}"
+    elif 0 in q.shape[:3]:
+        return None  # nothing to launch: the gather path's empty result
+    if reason and implementation == "cute":
+        raise NotImplementedError(reason)
+    return None if reason else paged
+
+
+def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks):
+    """The paged kernel: out and lse as `attention` gives them on the gathered keys."""
+    batch, seqlen_q = q.shape[:2]
+    seqlen_k = page_table.shape[1] * k_cache.shape[1]
+    segments = _segment_plan.padded_rows(
+        spec, seqlen_q, seqlen_k, batch=batch,
+        kv_lengths=jnp.clip(kv_lengths, 0, seqlen_k))
+    forward = _pack_gqa.fwd if spec.pack_gqa else _ffi_calls.fwd
+    out, lse = forward(q, k_cache, v_cache, *segments, spec=spec, pages=page_table)
+    if sinks is not None:
+        out, lse = _api._add_sinks(out, lse, sinks)
+    return out, lse
+
+
+def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks):
+    return attention(q, gather(k_cache, page_table), gather(v_cache, page_table),
+                     kv_lengths=kv_lengths, sinks=sinks)
 
 
 def gather(cache, page_table):
@@ -63,12 +127,12 @@ def gather(cache, page_table):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _inference_only(run, q, k, v, kv_lengths, sinks):
-    return run(q, k, v, kv_lengths=kv_lengths, sinks=sinks)
+def _inference_only(run, *args):
+    return run(*args)
 
 
-def _forward(run, q, k, v, kv_lengths, sinks):
-    return _inference_only(run, q, k, v, kv_lengths, sinks), None
+def _forward(run, *args):
+    return _inference_only(run, *args), None
 
 
 def _backward(run, residuals, cotangents):

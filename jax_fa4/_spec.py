@@ -66,6 +66,9 @@ class AttentionSpec:
     # this many runs, one CTA each, and their partial results are combined; chosen by
     # `_api` for calls with too few query tiles to fill the GPU. 1: no split.
     num_splits: int = 1
+    # Paged K/V (`_paged`): the forward reads k and v as caches of pages through a page
+    # table (the segment kernel's paged variant); inference only, set by `_paged`.
+    paged: bool = False
 
     def __post_init__(self):
         if self.path not in PATHS:

@@ -18,6 +18,9 @@ DTYPES = ("bf16", "fp16")
 HEAD_DIMS = (64, 96, 128, 256)
 # (D of q and k, Dv of v and out) pairs with a kernel of their own besides D == Dv.
 HEAD_DIM_PAIRS = ((192, 128),)
+# Head dims (D = Dv) of the paged kernels: 96 and 192 (three 32- or 64-element swizzle
+# atoms per row) abort the DSL compiler in their paged layouts (cutlass-dsl 4.8.1).
+PAGED_HEAD_DIMS = (64, 128, 256)
 ARCHS = ("sm_90a",)
 
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
@@ -83,6 +86,10 @@ class _KernelConfig:
     # tile's key blocks; each split writes its fp32 partial out, normalized, and its LSE,
     # which jax_fa4 combines. Banded variants only, like softcap.
     split: bool = False
+    # Paged K/V (forward only, segment variants: lengths always come with pages): K and V
+    # are read in place from a cache of pages through a runtime page table; built for
+    # PAGED_HEAD_DIMS.
+    paged: bool = False
 
     kind = ""
 
@@ -102,8 +109,10 @@ class _KernelConfig:
         if (self.softcap or self.segments or self.split) and not self.causal:
             raise ValueError("softcap, segment and split kernels are banded: they need "
                              "causal=True")
-        if self.split and self.kind != "fwd":
-            raise ValueError("split-KV is a forward variant")
+        if (self.split or self.paged) and self.kind != "fwd":
+            raise ValueError("split-KV and paged K/V are forward variants")
+        if self.paged and not self.segments:
+            raise ValueError("paged kernels are segment variants (they take lengths)")
 
     @property
     def name(self) -> str:
@@ -112,6 +121,7 @@ class _KernelConfig:
         cap = "_softcap" if self.softcap else ""
         seg = "_segments" if self.segments else ""
         seg += "_split" if self.split else ""
+        seg += "_paged" if self.paged else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
                                       else "")
         return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
@@ -129,6 +139,7 @@ class _KernelConfig:
             "softcap": self.softcap,
             "segments": self.segments,
             "split": self.split,
+            "paged": self.paged,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
         }
@@ -195,10 +206,11 @@ _VARIANTS = ((False, False, False), (True, False, False), (True, True, False),
 _DIMS = tuple((h, h) for h in HEAD_DIMS) + HEAD_DIM_PAIRS
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
     FwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg,
-              split=split)
-    for split in (False, True)
+              split=split, paged=paged)
+    for paged, split in ((False, False), (False, True), (True, False), (True, True))
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)
-    if c or not split
+    if (c or not split) and (seg or not paged)
+    and (not paged or h == hv and h in PAGED_HEAD_DIMS)
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg)

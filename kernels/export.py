@@ -93,6 +93,13 @@ SPLIT_OUTPUTS = (
     Param("mO", "o", "bshd", "seqlen_q", "f32", batch="split_batch"),
     Param("mLSE", "lse", "bhn", "seqlen_q", "f32", batch="split_batch"),
 )
+# Paged variants read K and V from caches (num_pages, page_size, Hkv, D / Dv) and take
+# the page table (B, 1, max_pages) after the segment tensors (kernels/sm90/paged.py).
+PAGED_CACHES = (
+    Param("mK", "k", "bshd", "page_size", heads="heads_kv", batch="num_pages"),
+    Param("mV", "v", "bshd", "page_size", heads="heads_kv", batch="num_pages"),
+)
+PAGE_TABLE = Param("mPages", "page_table", "bhn", "max_pages", "i32", heads="1")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
 VALUE_FIELDS = ("v", "o", "dout", "dv")
 
@@ -113,9 +120,11 @@ SEGMENT_TENSORS = (
 def tensors(cfg) -> tuple[Param, ...]:
     """The tensor parameters of cfg's kernel, in order."""
     params = TENSORS[cfg.kind]
-    if cfg.split:
-        params = params[:3] + SPLIT_OUTPUTS
-    return params + (SEGMENT_TENSORS if cfg.segments else ())
+    if cfg.kind == "fwd":
+        params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3])
+                  + (SPLIT_OUTPUTS if cfg.split else params[3:]))
+    return (params + (SEGMENT_TENSORS if cfg.segments else ())
+            + ((PAGE_TABLE,) if cfg.paged else ()))
 
 
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
@@ -212,8 +221,10 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
-    main = [fake(p) for p in params if p not in SEGMENT_TENSORS]
-    compiled = cute.compile(kernel, *main, *seg, *scalars,
+    main = [fake(p) for p in params if p not in SEGMENT_TENSORS and p != PAGE_TABLE]
+    # Forward kernels take the page table (None unless paged) before their scalars.
+    pages = [fake(PAGE_TABLE) if cfg.paged else None] if cfg.kind == "fwd" else []
+    compiled = cute.compile(kernel, *main, *seg, *pages, *scalars,
                             cuda.CUstream(0),
                             options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)
@@ -312,12 +323,12 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            causal, softcap, segments, split = (
+            causal, softcap, segments, split, paged = (
                 "true" if flag else "false"
-                for flag in (cfg.causal, cfg.softcap, cfg.segments, cfg.split))
+                for flag in (cfg.causal, cfg.softcap, cfg.segments, cfg.split, cfg.paged))
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
-                f'{causal}, {softcap}, {segments}, {split}, '
+                f'{causal}, {softcap}, {segments}, {split}, {paged}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

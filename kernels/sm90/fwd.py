@@ -12,7 +12,8 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     into num_splits runs (kernels/band.py split_visits), one CTA each; a split writes
     O_s = its own softmax(s * S) V over its keys, in fp32, and LSE_s (0 and -inf when it
     sees no key), and jax_fa4 combines them: LSE = log sum_s exp(LSE_s),
-    O = sum_s exp(LSE_s - LSE) O_s.
+    O = sum_s exp(LSE_s - LSE) O_s. Paged variants (segment variants) read K and V in
+    place from a cache of pages through a page table (kernels/sm90/paged.py).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
@@ -53,7 +54,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask, segments, softcap, wgmma
+from kernels.sm90 import mask, paged, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -84,6 +85,7 @@ class FwdSm90:
         self.softcap = cfg.softcap
         self.segments = cfg.segments
         self.split = cfg.split
+        self.paged = cfg.paged
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
@@ -102,6 +104,7 @@ class FwdSm90:
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
+        mPages: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -109,7 +112,8 @@ class FwdSm90:
         num_splits: Int32,
         stream: cuda.CUstream,
     ):
-        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI).
+        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI);
+        mPages: paged variants only, and then mK, mV are the caches (paged.py).
         num_splits: split variants only (others are launched with 1 and ignore it)."""
         dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
@@ -122,6 +126,8 @@ class FwdSm90:
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.consumers)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, dt, self.kv_stages)
+        if cutlass.const_expr(self.paged):
+            sK_layout, sV_layout = paged.ring_layouts(dt, d, dv, self.tile_n, self.kv_stages)
         sO_one = self._o_smem_layout()
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
         sK_one = cute.slice_(sK_layout, (None, None, 0))
@@ -129,8 +135,16 @@ class FwdSm90:
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (CONSUMER_ROWS, d))
-        tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
-        tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (dv, self.tile_n))
+        if cutlass.const_expr(self.paged):
+            # One TMA box per PAGE_ROWS keys, each from its own page.
+            k_pieces, v_pieces = paged.piece_layouts(dt, d, dv, 1)
+            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
+                load, k, cute.slice_(k_pieces, (None, None, 0)), (paged.PAGE_ROWS, d))
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
+                load, vt, cute.slice_(v_pieces, (None, None, 0)), (dv, paged.PAGE_ROWS))
+        else:
+            tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
+            tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (dv, self.tile_n))
         # Split variants store their fp32 partials from registers: `o` itself.
         tma_atom_o, tma_o = None, o
         if cutlass.const_expr(not self.split):
@@ -155,7 +169,7 @@ class FwdSm90:
         grid = (cute.ceil_div(q.shape[0], self.tile_m) * splits, q.shape[2], q.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, mRows, mKeys, mPlan, scale_log2, band_lo, band_hi, softcap_scale, splits,
+            lse, mRows, mKeys, mPlan, mPages, scale_log2, band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
@@ -176,6 +190,7 @@ class FwdSm90:
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
+        mPages: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -218,6 +233,12 @@ class FwdSm90:
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
+        cache = None
+        if cutlass.const_expr(self.paged):
+            # The cache's rows are pages; the batch's keys are its table's pages in turn.
+            cache = paged.Cache(mPages[batch, 0, None], tma_k.shape[0], tma_k.shape[3],
+                                mask.kv_head(head, tma_q.shape[2], tma_k.shape[2]))
+            seqlen_k = mPages.shape[2] * tma_k.shape[0]
         n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
             m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.causal
         )
@@ -245,7 +266,7 @@ class FwdSm90:
                 self.load(
                     tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
                     sQ, sK, sV, q_full, k_producer, v_producer,
-                    m_block, head, batch, n_begin, n_end, seg,
+                    m_block, head, batch, n_begin, n_end, seg, cache,
                 )
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
@@ -278,6 +299,7 @@ class FwdSm90:
         tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
         sQ, sK, sV, q_full, k_producer, v_producer,
         m_block: Int32, head: Int32, batch: Int32, n_begin: Int32, n_end: Int32, seg,
+        cache,
     ):
         d = self.head_dim
         if n_end > n_begin:
@@ -293,29 +315,57 @@ class FwdSm90:
                     tma_atom_q, tQgQ[None, m_block * self.consumers + c], tQsQ,
                     tma_bar_ptr=q_full,
                 )
-            kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
-            gK = cute.local_tile(tma_k[None, None, kv_head, batch], (self.tile_n, d), (None, 0))
-            gV = cute.local_tile(tma_v[None, None, kv_head, batch],
-                                 (self.head_dim_v, self.tile_n), (0, None))
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_atom_k, 0, cute.make_layout(1),
-                cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
-            )
-            tVsV, tVgV = cpasync.tma_partition(
-                tma_atom_v, 0, cute.make_layout(1),
-                cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
-            )
+            load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
+                                              head, batch, tma_q.shape[2], cache)
             # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
             # K runs one block ahead of V.
             visits = n_end - n_begin
             k_block, _ = self._first_block(n_end, seg)
-            k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, k_block], tKsK)
+            k_producer = load_k(k_producer, k_block)
             for i in cutlass.range(1, visits, unroll=1):
                 v_block = k_block
                 k_block = self._kv_block(i, n_end, seg)
-                k_producer = self._tma_block(k_producer, tma_atom_k, tKgK[None, k_block], tKsK)
-                v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, v_block], tVsV)
-            v_producer = self._tma_block(v_producer, tma_atom_v, tVgV[None, k_block], tVsV)
+                k_producer = load_k(k_producer, k_block)
+                v_producer = load_v(v_producer, v_block)
+            v_producer = load_v(v_producer, k_block)
+
+    def _kv_loaders(self, tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV, head, batch,
+                    heads, cache):
+        """load_k(producer, block), load_v(producer, block): wait for a free ring slot,
+        TMA key block `block` of K (of V) into it; each returns the advanced producer.
+        Paged variants load the block in pieces, each from its page (paged.py)."""
+        d, dv = self.head_dim, self.head_dim_v
+        if cutlass.const_expr(self.paged):
+            pieces = self.tile_n // paged.PAGE_ROWS
+            k_pieces, v_pieces = paged.piece_layouts(self.dtype, d, dv, pieces * self.kv_stages)
+            k_ring = cute.make_tensor(sK.iterator, k_pieces.outer)
+            v_ring = cute.make_tensor(sV.iterator, v_pieces.outer)
+
+            def load_paged(producer, block, atom, tma_cache, ring, box, keys_major):
+                handle = producer.acquire_and_advance()
+                paged.load_block(atom, tma_cache, ring, handle.index * pieces, block, cache,
+                                 self.tile_n, box, keys_major, handle.barrier)
+                return producer
+
+            return (lambda producer, block: load_paged(producer, block, tma_atom_k, tma_k,
+                                                       k_ring, (paged.PAGE_ROWS, d), True),
+                    lambda producer, block: load_paged(producer, block, tma_atom_v, tma_v,
+                                                       v_ring, (dv, paged.PAGE_ROWS), False))
+        kv_head = mask.kv_head(head, heads, tma_k.shape[2])
+        gK = cute.local_tile(tma_k[None, None, kv_head, batch], (self.tile_n, d), (None, 0))
+        gV = cute.local_tile(tma_v[None, None, kv_head, batch], (dv, self.tile_n), (0, None))
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_atom_k, 0, cute.make_layout(1),
+            cute.group_modes(sK, 0, 2), cute.group_modes(gK, 0, 2),
+        )
+        tVsV, tVgV = cpasync.tma_partition(
+            tma_atom_v, 0, cute.make_layout(1),
+            cute.group_modes(sV, 0, 2), cute.group_modes(gV, 0, 2),
+        )
+        return (lambda producer, block: self._tma_block(producer, tma_atom_k,
+                                                        tKgK[None, block], tKsK),
+                lambda producer, block: self._tma_block(producer, tma_atom_v,
+                                                        tVgV[None, block], tVsV))
 
     @cute.jit
     def _first_block(self, n_end: Int32, seg):

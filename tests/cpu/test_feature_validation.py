@@ -72,7 +72,8 @@ def segment_operands(kind, batch, sq, sk, softcap):
     1 + 2 * query tiles) backward (_segment_plan.forward_plan / backward_plan)."""
     kernel, = (entry for entry in jax_fa4.kernels()
                if (entry["kind"], entry["dtype"], entry["head_dim"], entry["segments"],
-                   entry["softcap"], entry["split"]) == (kind, "bf16", 64, True, softcap, False))
+                   entry["softcap"], entry["split"], entry["paged"])
+               == (kind, "bf16", 64, True, softcap, False, False))
     tiles, blocks = -(-sq // kernel["tile_m"]), -(-sk // kernel["tile_n"])
     plan = (batch, tiles, 1 + blocks) if kind == "fwd" else (batch, blocks, 1 + 2 * tiles)
     return [tensor("i32", batch, 3, sq), tensor("i32", batch, sk), tensor("i32", *plan)]

@@ -2,6 +2,7 @@
 densely, for pages in any order, ragged and out-of-range lengths and page ids; its
 validation; no gradient; and the kernel call it lowers to for CUDA."""
 
+import re
 import warnings
 
 import jax
@@ -13,6 +14,10 @@ import jax_fa4
 from jax_fa4 import _api, _paged
 
 B, HQ, HKV, D = 3, 4, 2, 16
+
+
+class Hopper:
+    compute_capability = "9.0"
 
 
 def _cache(rng, page_size, max_pages, num_pages, dv=D, dtype=jnp.float32):
@@ -122,15 +127,41 @@ def sds(*shape, dtype=jnp.bfloat16):
 
 
 def test_decode_lowers_to_the_kernel(built):
-    """bf16 decode over 64-key pages lowers for CUDA to the forward kernel (split-KV:
-    batch 1 leaves SMs idle), without a backward."""
+    """bf16 decode over 64-key pages lowers for CUDA to the paged forward kernel: the
+    page table is its last operand (no gather), split-KV since batch 1 leaves SMs idle,
+    and there is no backward."""
     q, cache = sds(1, 1, 32, 128), sds(300, 64, 8, 128)
     table, lengths = sds(1, 128, dtype=jnp.int32), sds(1, dtype=jnp.int32)
     text = jax.jit(jax_fa4.paged_attention).trace(q, cache, cache, table, lengths).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @jax_fa4_fwd(") == 1 and "jax_fa4_bwd" not in text
+    calls = re.findall(r"custom_call @jax_fa4_fwd\((.*?)\{.*?: \((.*?)\) ->", text)
+    assert len(calls) == 1 and "jax_fa4_bwd" not in text, calls
+    operands = calls[0][1].split(", ")
+    # q (packed rows), the caches, rows, keys, plan, then the page table.
+    assert operands[1:3] == ["tensor<300x64x8x128xbf16>"] * 2, operands
+    assert operands[-1] == "tensor<1x128xi32>", operands
     if _api._sm_count() == 132:
         assert "num_splits = 16 : i32" in text
+
+
+@pytest.mark.parametrize("page_size,dims", [(24, (128, 128)), (64, (80, 80)),
+                                            (64, (192, 128))])
+def test_other_pages_and_head_dims_are_gathered(built, monkeypatch, page_size, dims):
+    """Page sizes off the 16-key grid and head dims without a paged kernel lower to the
+    dense kernel on gathered keys; implementation="cute" says why it cannot page."""
+    d, dv = dims
+    q = sds(1, 1, 32, d)
+    k_cache, v_cache = sds(300, page_size, 8, d), sds(300, page_size, 8, dv)
+    table, lengths = sds(1, 16, dtype=jnp.int32), sds(1, dtype=jnp.int32)
+    text = jax.jit(jax_fa4.paged_attention).trace(
+        q, k_cache, v_cache, table, lengths).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("custom_call @jax_fa4_fwd(") == 1
+    assert f"tensor<300x{page_size}x8x{d}xbf16>" not in text.split("custom_call")[1]
+    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+    with pytest.raises(NotImplementedError, match="paged kernel"):
+        _paged._kernel_spec(q, k_cache, v_cache, table, lengths, None, causal=True,
+                            window=None, softcap=None, softmax_scale=None,
+                            implementation="cute")
 
 
 def test_warns_on_a_gpu_that_pages_are_gathered(monkeypatch, fresh_warnings):

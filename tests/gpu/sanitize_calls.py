@@ -3,7 +3,9 @@
 Each forward kernel gets one call that selects it, each backward kernel jax.grad of that
 call in both dq modes (atomic, deterministic). The split forwards (split-KV) get the calls
 of their variant with splitting forced, down to runs of one key block and runs left
-empty; every other call is traced with splitting off. The segment kernels get one more call
+empty; every other call is traced with splitting off. The paged forwards get
+paged_attention over a cache of 32-key pages in random order, with page ids and lengths
+out of range. The segment kernels get one more call
 each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
 or negative; lengths negative or past S), which the kernels must survive without an
 out-of-bounds access. Sizes are small (the sanitizers are slow) but leave partial tiles
@@ -39,6 +41,8 @@ from jax_fa4 import _ffi_calls, _kernel_select, _split_kv
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
 # gains too little to be chosen (_pack_gqa.worthwhile), so the plain kernels run.
 BATCH, SEQ_Q, SEQ_K, HEADS_Q, HEADS_KV = 2, 200, 300, 4, 2
+# paged_attention: pages of PAGE keys, PAGES table entries per batch, a spare page.
+PAGE, PAGES = 32, 10
 # attention_varlen's packed lengths.
 TOTAL_Q, TOTAL_K = 400, 600
 SOFTCAP = 5.0
@@ -53,6 +57,7 @@ class Call:
     options: dict  # static keyword arguments of attention / attention_varlen
     arrays: dict  # its int32 runtime arrays: segment ids, lengths or cu_seqlens
     varlen: bool = False
+    paged: bool = False  # paged_attention over a cache (operands builds it)
     deterministic: bool | None = None  # None: the forward alone; else jax.grad's dq mode
 
     def __str__(self):
@@ -111,6 +116,16 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
     result = []
     turn = {"fwd": 0, "bwd": 0}  # segment kernels so far, per kind: whose OUT_OF_RANGE is next
     for kernel in kernels:
+        if kernel.get("paged"):
+            options = {"causal": True} | ({"softcap": SOFTCAP} if kernel["softcap"] else {})
+            # Ids below 0 and past the cache, a length past the table, a negative one.
+            table = np.random.default_rng(0).permutation(BATCH * PAGES + 1)[:BATCH * PAGES]
+            table = table.reshape(BATCH, PAGES).astype(np.int32)
+            table[0, 2], table[1, 9] = -3, 10 ** 6
+            arrays = {"page_table": table, "kv_lengths": np.array([10 ** 6, 231], np.int32)}
+            result.append((kernel, [Call(kernel, "paged cache, ids and lengths out of range",
+                                         options, arrays, paged=True)]))
+            continue
         cases = [MAIN[kernel["causal"], kernel["softcap"], kernel["segments"]]]
         if kernel["segments"]:
             case, arrays, varlen = OUT_OF_RANGE[turn[kernel["kind"]] % len(OUT_OF_RANGE)]
@@ -137,6 +152,10 @@ def operands(call: Call):
     d, dv = kernel["head_dim"], kernel["head_dim_v"]
     if call.varlen:
         shapes = (TOTAL_Q, HEADS_Q, d), (TOTAL_K, HEADS_KV, d), (TOTAL_K, HEADS_KV, dv)
+    elif call.paged:  # k and v are the caches
+        pages = BATCH * PAGES + 1
+        shapes = ((BATCH, SEQ_Q, HEADS_Q, d), (pages, PAGE, HEADS_KV, d),
+                  (pages, PAGE, HEADS_KV, dv))
     else:
         shapes = ((BATCH, SEQ_Q, HEADS_Q, d), (BATCH, SEQ_K, HEADS_KV, d),
                   (BATCH, SEQ_K, HEADS_KV, dv))
@@ -149,6 +168,9 @@ def function(call: Call, implementation):
     attention = jax_fa4.attention_varlen if call.varlen else jax_fa4.attention
 
     def forward(q, k, v, arrays):
+        if call.paged:
+            return jax_fa4.paged_attention(q, k, v, **call.options, **arrays,
+                                           return_lse=True, implementation=implementation)
         return attention(q, k, v, **call.options, **arrays, return_lse=True,
                          implementation=implementation, deterministic=bool(call.deterministic))
 

@@ -1,0 +1,79 @@
+"""Paged variants of the forward: K and V come from a cache of pages, read in place.
+
+Operands: mK (P, page_size, Hkv, D) and mV (P, page_size, Hkv, Dv), P pages of
+page_size keys each, and mPages (B, 1, max_pages) int32: key j of batch b is slot
+j % page_size of page mPages[b, 0, j // page_size]. The kernel sees Sk = max_pages *
+page_size keys per batch (lengths cut them further, through the segment rows).
+
+Every block of tile_n keys is loaded as tile_n / PAGE_ROWS TMA copies of PAGE_ROWS keys,
+each from the page that holds them, so any page size that is a multiple of PAGE_ROWS
+works. The K and V rings use the swizzle atoms wgmma expects, tiled so that each piece of
+PAGE_ROWS keys is contiguous in shared memory (head dims first, then keys), one TMA box.
+Page ids are clamped to [0, P) and table entries past max_pages to the last one: a block
+that runs past the table (the Sk tail) loads a real page and the mask hides it.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync
+from cutlass.tensor_utils import LayoutEnum
+
+PAGE_ROWS = 16  # keys per TMA copy; page sizes are multiples of it
+
+
+def _atom(layout: LayoutEnum, dtype, major_size: int):
+    kind = sm90_utils.get_smem_layout_atom(layout, dtype, major_size)
+    return sm90_utils.make_smem_layout_atom(kind, dtype)
+
+
+def ring_layouts(dtype, head_dim: int, head_dim_v: int, tile_n: int, stages: int):
+    """sK (tile_n, D, stages) and sV (Dv, tile_n, stages), as make_smem_layout_b makes
+    them but with each PAGE_ROWS keys contiguous."""
+    k_atom = _atom(LayoutEnum.ROW_MAJOR, dtype, head_dim)
+    v_atom = _atom(LayoutEnum.COL_MAJOR, dtype, head_dim_v)
+    return (cute.tile_to_shape(k_atom, (tile_n, head_dim, stages), order=(1, 0, 2)),
+            cute.tile_to_shape(v_atom, (head_dim_v, tile_n, stages), order=(0, 1, 2)))
+
+
+def piece_layouts(dtype, head_dim: int, head_dim_v: int, pieces: int):
+    """The rings above as `pieces` PAGE_ROWS-key pieces: K (PAGE_ROWS, D, pieces) and V
+    (Dv, PAGE_ROWS, pieces), the same bytes in the same places."""
+    k_atom = _atom(LayoutEnum.ROW_MAJOR, dtype, head_dim)
+    v_atom = _atom(LayoutEnum.COL_MAJOR, dtype, head_dim_v)
+    return (cute.tile_to_shape(k_atom, (PAGE_ROWS, head_dim, pieces), order=(1, 0, 2)),
+            cute.tile_to_shape(v_atom, (head_dim_v, PAGE_ROWS, pieces), order=(0, 1, 2)))
+
+
+class Cache:
+    """One CTA's view of its pages: the batch's table row, the page size (the cache's
+    rows per page), the number of pages and the key/value head."""
+
+    def __init__(self, pages, page_size, num_pages, kv_head):
+        self.pages, self.page_size = pages, page_size
+        self.num_pages, self.kv_head = num_pages, kv_head
+
+
+@cute.jit
+def load_block(atom, tma_cache, pieces_ring, first_piece: Int32, block: Int32,
+               cache: Cache, tile_n: cutlass.Constexpr, box: cutlass.Constexpr,
+               keys_major: cutlass.Constexpr, barrier):
+    """TMA key block `block` into pieces first_piece .. of pieces_ring, PAGE_ROWS keys
+    at a time, each from its own page; all complete on `barrier`. keys_major: K's
+    (PAGE_ROWS, D) boxes; else V^T's (Dv, PAGE_ROWS); `box` is that shape."""
+    last_entry = cute.size(cache.pages) - 1
+    for i in cutlass.range_constexpr(tile_n // PAGE_ROWS):
+        key = block * tile_n + i * PAGE_ROWS
+        entry = key // cache.page_size
+        slot = key - entry * cache.page_size
+        page = cache.pages[cutlass.min(entry, last_entry)]
+        page = cutlass.max(cutlass.min(page, cache.num_pages - 1), 0)
+        rows = tma_cache[None, None, cache.kv_head, page]
+        g = cute.local_tile(rows, box, (None, 0) if keys_major else (0, None))
+        s_part, g_part = cpasync.tma_partition(
+            atom, 0, cute.make_layout(1),
+            cute.group_modes(pieces_ring, 0, 2), cute.group_modes(g, 0, 2),
+        )
+        cute.copy(atom, g_part[None, slot // PAGE_ROWS], s_part[None, first_piece + i],
+                  tma_bar_ptr=barrier)
