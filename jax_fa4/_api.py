@@ -1,16 +1,13 @@
-"""Public entry points: `attention`, `attention_varlen`, `supports`, `kernels`; picks
-kernel or reference."""
+"""Public entry points: `attention`, `attention_varlen`, `supports`, `kernels`. Each
+validates its call into a spec (`_spec`), fixes its path and kernel layout (`_path`)
+and runs it."""
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-
-import jax
 import jax.numpy as jnp
 
-from jax_fa4 import (_fallback, _kernel_select, _masks, _pack_gqa, _registry, _segment_plan,
-                     _sharding, _split_kv, _vjp)
+from jax_fa4 import (_fallback, _kernel_select, _masks, _path, _registry, _segment_plan,
+                     _sharding, _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -135,9 +132,7 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, causal=causal,
         softmax_scale=softmax_scale, return_lse=return_lse, alignment=alignment,
         window=window, softcap=softcap, sinks=sinks, deterministic=deterministic)
-    sizes = _sizes(q, k, varlen=True)
-    spec = _with_split(_with_packing(_choose_path(spec, implementation, sizes), q.shape[0]),
-                       sizes)
+    spec = _path.plan(spec, implementation, _path.sizes(q, k, varlen=True))
     cu_seqlens_q = _masks.clip_offsets(cu_seqlens_q, q.shape[0])
     cu_seqlens_k = _masks.clip_offsets(cu_seqlens_k, k.shape[0])
     # The packed axis is the sequence: a unit batch axis gives it the batch-first layout
@@ -187,11 +182,11 @@ def supports(q, k, v, **kwargs) -> Support:
         spec = AttentionSpec.from_varlen_inputs(q, k, v, **kwargs)
     else:
         spec = AttentionSpec.from_inputs(q, k, v, **kwargs)
-    sizes = _sizes(q, k, varlen=varlen)
-    ok, reason = _kernel_runs_here(spec, sizes)
+    sizes = _path.sizes(q, k, varlen=varlen)
+    ok, reason = _path.kernel_runs_here(spec, sizes)
     if ok:
         return Support(True, "", "kernel")
-    path, why = _fallback_path(spec, sizes)
+    path, why = _path.fallback(spec, sizes)
     return Support(False, f"{reason}; implementation=None runs {_fallback.RUNS[path]}"
                    + (f" ({why})" if why else ""), path)
 
@@ -209,95 +204,7 @@ def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
     _check_implementation(implementation)
     spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                      return_lse=return_lse, **features)
-    sizes = _sizes(q, k, varlen=False)
-    return _with_split(_with_packing(_choose_path(spec, implementation, sizes), q.shape[1]),
-                       sizes)
-
-
-def _sizes(q, k, *, varlen: bool) -> tuple:
-    """(batch, query heads, Sq, Sk) as the kernels see them (varlen: one packed row)."""
-    if varlen:
-        return 1, q.shape[1], q.shape[0], k.shape[0]
-    return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
-
-
-def _choose_path(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
-    if implementation == "reference":
-        return spec.with_path("reference")
-    if implementation == "cute":
-        if _kernel_select.kernel_dtype(spec) is None:
-            raise ValueError(
-                f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
-        ok, reason = _kernel_runs_here(spec, sizes)
-        if not ok:
-            raise NotImplementedError(reason)
-        return spec.with_path("cute")
-    ok, reason = _kernel_support(spec, sizes)
-    if ok and not _non_hopper_gpus():
-        return spec.with_path("platform")
-    if not _gpu_devices():
-        return spec.with_path("reference")  # no GPU: the reference is this machine's path
-    # A GPU the kernels cannot serve: decided statically, since a per-platform switch
-    # would send any GPU to the kernel.
-    if not ok and _registry.native_reason() and not _fallback.native_allowed():
-        raise RuntimeError(
-            f"jax_fa4: {_registry.native_reason()}, on a machine with a GPU "
-            f"({_describe(_gpu_devices())}); reinstall jax_fa4 (pip install .), or set "
-            f"{_fallback.ALLOW_NO_NATIVE}=1 to run without the kernels (cuDNN or the "
-            "pure-JAX reference, with a warning)")
-    if ok:
-        reason = f"they need Hopper (sm_90) GPUs; visible: {_describe(_gpu_devices())}"
-    path, why = _fallback_path(spec, sizes)
-    _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
-    return spec.with_path(path)
-
-
-def _fallback_path(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
-    """("cudnn" or "reference", why not cuDNN) for a call the kernels do not take: cuDNN
-    needs a GPU and a call it computes exactly."""
-    if not _gpu_devices():
-        return "reference", ""
-    ok, why = _fallback.cudnn_support(spec, sizes[2], sizes[3],
-                                      hopper=all(map(_is_hopper, _gpu_devices())))
-    return ("cudnn", "") if ok else ("reference", why)
-
-
-def _with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
-    """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
-    its kernels were built."""
-    if spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int):
-        return spec  # a symbolic Sq (jax.export) keeps the plain layout
-    packed = dataclasses.replace(spec, pack_gqa=True)
-    fwd, bwd = _kernel_select.fwd_kernel, _kernel_select.bwd_kernel
-    if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, fwd(spec)["tile_m"])
-            and fwd(packed) is not None and (bwd(packed) is not None or bwd(spec) is None)):
-        return packed
-    return spec
-
-
-def _with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
-    """Split-KV (`_split_kv`) on the kernel paths, for static sizes whose grid leaves SMs
-    idle, where the split kernel was built. The grid is counted as the kernel sees it:
-    pack-GQA runs each group's query heads as rows of one key/value head."""
-    batch, heads, seqlen_q, seqlen_k = sizes
-    if spec.path not in ("cute", "platform") or not all(
-            isinstance(n, int) for n in sizes):
-        return spec
-    split = _kernel_select.fwd_kernel(dataclasses.replace(spec, num_splits=2))
-    if split is None:
-        return spec
-    if spec.pack_gqa:
-        heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size
-    ctas = batch * heads * -(-seqlen_q // split["tile_m"])
-    splits = _split_kv.num_splits(ctas, -(-seqlen_k // split["tile_n"]), _sm_count())
-    return dataclasses.replace(spec, num_splits=splits)
-
-
-def _sm_count() -> int:
-    """SMs of the first Hopper GPU; an H100 SXM's 132 when none is visible (a kernel
-    path lowered without one)."""
-    hopper = [d for d in _gpu_devices() if _is_hopper(d)]
-    return getattr(hopper[0], "core_count", 132) if hopper else 132
+    return _path.plan(spec, implementation, _path.sizes(q, k, varlen=False))
 
 
 def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, q_lengths,
@@ -379,41 +286,3 @@ def _check_implementation(implementation) -> None:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of {IMPLEMENTATIONS}; got {implementation!r}")
-
-
-def _kernel_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
-    """Whether a built kernel covers the call (devices aside)."""
-    ok, reason = _kernel_select.kernel_support(spec)
-    return (ok, reason) if not ok else _kernel_select.grid_support(*sizes[:2])
-
-
-def _kernel_runs_here(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
-    ok, reason = _kernel_support(spec, sizes)
-    if not ok:
-        return ok, reason
-    if not any(_is_hopper(d) for d in _gpu_devices()):
-        return False, f"no Hopper (sm_90) GPU visible to JAX; devices: {jax.devices()}"
-    return True, ""
-
-
-@functools.cache
-def _gpu_devices() -> tuple:
-    # Cached: backends do not change within a process, and probing a missing backend
-    # raises on every call.
-    try:
-        return tuple(jax.devices("gpu"))
-    except RuntimeError:
-        return ()
-
-
-def _is_hopper(device) -> bool:
-    return str(getattr(device, "compute_capability", "")).startswith("9.")
-
-
-def _describe(devices) -> str:
-    return ", ".join(f"{getattr(d, 'device_kind', 'GPU')} (compute capability "
-                     f"{getattr(d, 'compute_capability', '?')})" for d in devices)
-
-
-def _non_hopper_gpus() -> bool:
-    return any(not _is_hopper(d) for d in _gpu_devices())

@@ -5,7 +5,7 @@ The spec names the variant it needs (dtype, head dims, `banded`, softcap,
 built (`_registry`): the head dims the kernels run it at, the forward and backward
 kernels' manifest entries (name, tiles), and the reason when no kernel takes it. The
 manifest is read at every call, never cached into a spec. Whether a device can run the
-kernel is `_api`'s concern.
+kernel is `_path`'s concern.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def bwd_kernel(spec: AttentionSpec) -> dict | None:
 
 
 def kernel_support(spec: AttentionSpec) -> tuple[bool, str]:
-    """Whether a compiled kernel covers the spec (devices are `_api`'s concern)."""
+    """Whether a compiled kernel covers the spec (devices are `_path`'s concern)."""
     if kernel_dtype(spec) is None:
         return False, (
             f"dtype {spec.dtype} has no kernel; the kernels take bfloat16 or float16"

@@ -17,8 +17,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import (_api, _fallback, _ffi_calls, _kernel_select, _pack_gqa, _segment_plan,
-                     _validate)
+from jax_fa4 import (_api, _fallback, _ffi_calls, _kernel_select, _pack_gqa, _path,
+                     _segment_plan, _validate)
 
 # Keys per TMA copy of the paged kernels: page sizes they take are multiples of it.
 PAGE_ROWS = 16
@@ -57,7 +57,7 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True,
     gathered = functools.partial(_gathered, functools.partial(_api.attention, **options,
                                                               return_lse=True))
     if spec is None:
-        if _api._gpu_devices() and implementation != "reference":
+        if _path.gpu_devices() and implementation != "reference":
             _fallback.warn_message_once(GATHER_WARNING)
         run = gathered
     elif spec.path == "platform":  # the kernel where lowered for CUDA

@@ -3,7 +3,7 @@
 The module holds the XLA FFI handlers (as capsules) and the manifest of the kernels it
 was built with. A source checkout without `pip install .` has no module, and a built one
 can fail to load (a missing library, another platform): everything else in jax_fa4
-still works, and `native_reason` says which and why (`_api` refuses to run without it
+still works, and `native_reason` says which and why (`_path` refuses to run without it
 on a GPU machine unless allowed).
 """
 

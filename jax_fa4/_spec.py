@@ -22,7 +22,7 @@ import numpy as np
 
 from jax_fa4 import _validate
 
-# How the forward runs (set by `_api` after it checked the platform):
+# How the forward runs (set by `_path` after it checked the platform):
 #   "cute": the kernel, unconditionally.
 #   "platform": the kernel when lowered for CUDA, the reference for any other platform.
 #   "cudnn": jax.nn's cuDNN path when lowered for CUDA, the reference elsewhere (a GPU
@@ -41,7 +41,7 @@ class AttentionSpec:
     causal: bool  # the band's right side is 0: query i sees no key after a(i)
     softmax_scale: float
     return_lse: bool
-    path: str = "reference"  # one of PATHS, set by _api once it checked the platform
+    path: str = "reference"  # one of PATHS, set by _path once it checked the platform
     # Backward kernel: dq accumulated in a fixed order (bitwise reproducible) instead of
     # with atomic adds. The forward and the reference are deterministic either way.
     deterministic: bool = False
@@ -60,11 +60,11 @@ class AttentionSpec:
     max_seqlen_q: int | None = None  # varlen only: bound on every sequence's length
     max_seqlen_k: int | None = None
     # The kernels run each group's query heads as rows of one problem (`_pack_gqa`):
-    # chosen by `_api` for grouped calls with few query rows.
+    # chosen by `_path` for grouped calls with few query rows.
     pack_gqa: bool = False
     # Split-KV (`_split_kv`): the forward kernel cuts each query tile's key blocks into
     # this many runs, one CTA each, and their partial results are combined; chosen by
-    # `_api` for calls with too few query tiles to fill the GPU. 1: no split.
+    # `_path` for calls with too few query tiles to fill the GPU. 1: no split.
     num_splits: int = 1
     # Paged K/V (`_paged`): the forward reads k and v as caches of pages through a page
     # table (the segment kernel's paged variant); inference only, set by `_paged`.

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _fallback, _registry
+from jax_fa4 import _api, _fallback, _path, _registry
 from jax_fa4._reference import reference_attention
 from jax_fa4._spec import AttentionSpec
 
@@ -68,7 +68,7 @@ def plan(q, k, v, **kwargs):
 ])
 def test_a_gpu_the_kernels_cannot_serve_takes_cudnn_or_the_reference(
         built, monkeypatch, gpu, q, k, kwargs, path, why):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (gpu,))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (gpu,))
     with pytest.warns(RuntimeWarning) as record:
         assert plan(q, k, k, **kwargs).path == path
     (message,) = [str(w.message) for w in record]
@@ -78,7 +78,7 @@ def test_a_gpu_the_kernels_cannot_serve_takes_cudnn_or_the_reference(
 
 
 def test_the_grid_limit_is_a_reason_before_tracing(built, monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (H100,))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
     big_batch, big_heads = sds(65536, 4, 1, 64), sds(1, 4, 65536, 64)
     for q, name in ((big_batch, "batch"), (big_heads, "heads Hq")):
         ok, reason = jax_fa4.supports(q, q, q)
@@ -90,7 +90,7 @@ def test_the_grid_limit_is_a_reason_before_tracing(built, monkeypatch):
 
 
 def test_the_backward_refuses_too_many_key_blocks_while_tracing(built, monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (H100,))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
     q, k = sds(1, 16, 1, 128), sds(1, 65536 * 128 + 1, 1, 128)
     grad = jax.grad(lambda q, k: jax_fa4.attention(q, k, k, implementation="cute")
                     .astype(jnp.float32).sum())
@@ -99,7 +99,7 @@ def test_the_backward_refuses_too_many_key_blocks_while_tracing(built, monkeypat
 
 
 def test_one_warning_per_reason(built, monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (A100,))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (A100,))
     with pytest.warns(RuntimeWarning):
         plan(Q, KV, KV)
     with warnings.catch_warnings():
@@ -111,7 +111,7 @@ def test_one_warning_per_reason(built, monkeypatch):
 
 
 def test_no_gpu_runs_the_reference_silently(built, monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    monkeypatch.setattr(_path, "gpu_devices", lambda: ())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert plan(sds(2, 16, 4, 64, dtype=jnp.float32),
@@ -122,7 +122,7 @@ def test_no_gpu_runs_the_reference_silently(built, monkeypatch):
 def test_cudnn_path_is_per_platform(built, monkeypatch):
     # jax.nn's cuDNN path cannot be traced without cuDNN; its XLA implementation stands
     # in to show which branch each platform lowers.
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (A100,))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (A100,))
     monkeypatch.setattr(_fallback, "through_jax_nn", functools.partial(
         _fallback.through_jax_nn, implementation="xla"))
     q = jax.random.normal(jax.random.key(0), (2, 16, 4, 64), jnp.bfloat16)
@@ -144,7 +144,7 @@ def test_cudnn_path_is_per_platform(built, monkeypatch):
 def test_missing_native_module_on_a_gpu_machine(monkeypatch, failure, allowed):
     monkeypatch.setattr(_registry, "_ffi", None)
     monkeypatch.setattr(_registry, "_IMPORT_ERROR", failure)
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (H100,))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
     if allowed:
         monkeypatch.setenv(_fallback.ALLOW_NO_NATIVE, "1")
     cause = "libcuda.so.1: cannot open" if failure else "is not built"
@@ -163,7 +163,7 @@ def test_missing_native_module_on_a_gpu_machine(monkeypatch, failure, allowed):
 def test_missing_native_module_without_a_gpu_is_quiet(monkeypatch):
     monkeypatch.setattr(_registry, "_ffi", None)
     monkeypatch.setattr(_registry, "_IMPORT_ERROR", ImportError("undefined symbol: x"))
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    monkeypatch.setattr(_path, "gpu_devices", lambda: ())
     assert _registry.native_reason() == (
         "native module jax_fa4._ffi failed to import: ImportError('undefined symbol: x')")
     with warnings.catch_warnings():

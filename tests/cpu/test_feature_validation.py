@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api
+from jax_fa4 import _path
 from jax_fa4._spec import AttentionSpec
 
 
@@ -82,7 +82,7 @@ def segment_operands(kind, batch, sq, sk, softcap):
 @pytest.fixture
 def hopper(built, monkeypatch):
     """The kernel path as on a Hopper GPU (native module built or stood in for)."""
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (Hopper(),))
 
 
 # ---------------------------------------------------------------- malformed input

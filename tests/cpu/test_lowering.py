@@ -18,7 +18,7 @@ import pytest
 from jaxlib import xla_client
 
 import jax_fa4
-from jax_fa4 import _api, _registry
+from jax_fa4 import _api, _path, _registry
 
 # Attributes print in alphabetical order; num_splits and softcap sit between the ones
 # read here.
@@ -88,16 +88,16 @@ def test_default_falls_back_statically(built, q, kwargs):
 def test_only_hopper_gpus_get_the_kernel(built, monkeypatch):
     # Other GPUs take the fallback (tests/cpu/test_fallback.py), decided statically.
     q = sds(1, 8, 2, 64)
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("8.0"),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (FakeGpu("8.0"),))
     with pytest.warns(RuntimeWarning, match="need Hopper"):
         assert _api._plan(q, q, q, causal=False, softmax_scale=None, return_lse=False,
                           implementation=None).path == "cudnn"
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (FakeGpu("9.0"),))
     assert len(fwd_calls(jax_fa4.attention, q, q, q)) == 1
 
 
 def test_cute_lowers_to_the_kernel(built, monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (FakeGpu("9.0"),))
     q = sds(1, 8, 2, 64, dtype=jnp.float16)
     attn = functools.partial(jax_fa4.attention, causal=True, implementation="cute")
     assert fwd_calls(attn, q, q, q) == [(True, np.float32(0.125))]
@@ -246,7 +246,7 @@ def test_head_dims_run_the_least_kernel_that_holds_them(built, monkeypatch, d, d
     # when built (192/128), else zero-padded, with the softmax scale of the true D;
     # forward and backward.
     q, k, v = sds(2, 40, 4, d), sds(2, 24, 4, d), sds(2, 24, 4, dv)
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (FakeGpu("9.0"),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (FakeGpu("9.0"),))
     assert jax_fa4.supports(q, k, v) == (True, "")
     assert fwd_calls(jax_fa4.attention, q, k, v) == [(False, np.float32(d ** -0.5))]
     text = jax.jit(grad_of_sum(jax_fa4.attention)).trace(q, k, v).lower(

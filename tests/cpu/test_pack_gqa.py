@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _pack_gqa
+from jax_fa4 import _api, _pack_gqa, _path
 
 
 def test_rows_put_a_groups_heads_next_to_each_other():
@@ -51,7 +51,7 @@ class Hopper:
     (5, True, True), (5, False, False), (1, True, False)])
 def test_short_grouped_calls_lower_packed(built, monkeypatch, seqlen_q, causal,
                                           segment_variant):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (Hopper(),))
     q = jax.ShapeDtypeStruct((2, seqlen_q, 8, 64), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((2, 300, 2, 64), jnp.bfloat16)
     spec = _api._plan(q, kv, kv, causal=causal, softmax_scale=None, return_lse=False,

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _paged
+from jax_fa4 import _paged, _path
 
 B, HQ, HKV, D = 3, 4, 2, 16
 
@@ -140,7 +140,7 @@ def test_decode_lowers_to_the_kernel(built):
     # q (packed rows), the caches, rows, keys, plan, then the page table.
     assert operands[1:3] == ["tensor<300x64x8x128xbf16>"] * 2, operands
     assert operands[-1] == "tensor<1x128xi32>", operands
-    if _api._sm_count() == 132:
+    if _path.sm_count() == 132:
         assert "num_splits = 16 : i32" in text
 
 
@@ -157,7 +157,7 @@ def test_other_pages_and_head_dims_are_gathered(built, monkeypatch, page_size, d
         q, k_cache, v_cache, table, lengths).lower(lowering_platforms=("cuda",)).as_text()
     assert text.count("custom_call @jax_fa4_fwd(") == 1
     assert f"tensor<300x{page_size}x8x{d}xbf16>" not in text.split("custom_call")[1]
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (Hopper(),))
     with pytest.raises(NotImplementedError, match="paged kernel"):
         _paged._kernel_spec(q, k_cache, v_cache, table, lengths, None, causal=True,
                             window=None, softcap=None, softmax_scale=None,
@@ -174,7 +174,7 @@ def test_warns_on_a_gpu_that_pages_are_gathered(monkeypatch, fresh_warnings):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths)
-        monkeypatch.setattr(_api, "_gpu_devices", lambda: ("a GPU",))
+        monkeypatch.setattr(_path, "gpu_devices", lambda: ("a GPU",))
         jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
                                 implementation="reference")
         for _ in range(2):

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _masks, _segment_plan, _spec
+from jax_fa4 import _api, _masks, _path, _segment_plan, _spec
 
 TILES = ((64, 128), (128, 128), (192, 128), (128, 80), (64, 64))
 
@@ -178,9 +178,9 @@ def test_varlen_kernel_path_equals_the_reference_path(built, paths, kwargs):
         kwargs["sinks"] = jax.random.normal(keys[3], (4,), jnp.float32)
     call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=31, max_seqlen_k=37,
                 return_lse=True, **kwargs)
-    spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
+    spec = _path.choose(_spec.AttentionSpec.from_varlen_inputs(
         q, k, v, softmax_scale=None, **{"causal": False, **call}), None,
-        _api._sizes(q, k, varlen=True))
+        _path.sizes(q, k, varlen=True))
     assert spec.path == "platform" and spec.segments
 
     out, lse = paths.assert_agree(

@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import _api, _spec, _vjp
+from jax_fa4 import _api, _path, _spec, _vjp
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
 
@@ -577,9 +577,9 @@ def test_varlen_kernels_partition_over_heads_and_the_packed_axis(built, mesh):
     cu_q, cu_k = jnp.array([0, 10, 24], jnp.int32), jnp.array([0, 25, 40], jnp.int32)
     call = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=14, max_seqlen_k=25,
                 causal=True)
-    spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
+    spec = _path.choose(_spec.AttentionSpec.from_varlen_inputs(
         q, k, v, softmax_scale=None, return_lse=False, **call), None,
-        _api._sizes(q, k, varlen=True))
+        _path.sizes(q, k, varlen=True))
     assert spec.path == "platform" and spec.segments, spec
 
     def loss(implementation, q, k, v, dout):
@@ -624,9 +624,9 @@ def test_causal_varlen_ring_runs_in_zigzag_halves(built, mesh):
     call = dict(cu_seqlens_q=jnp.array([0, 5, 17, 22], jnp.int32),
                 cu_seqlens_k=jnp.array([0, 9, 16, 24], jnp.int32),
                 max_seqlen_q=12, max_seqlen_k=9, causal=True, return_lse=True)
-    spec = _api._choose_path(_spec.AttentionSpec.from_varlen_inputs(
+    spec = _path.choose(_spec.AttentionSpec.from_varlen_inputs(
         q, k, v, softmax_scale=None, **call), None,
-        _api._sizes(q, k, varlen=True))
+        _path.sizes(q, k, varlen=True))
 
     def attend(implementation, q, k, v):
         return jax_fa4.attention_varlen(q, k, v, implementation=implementation, **call)

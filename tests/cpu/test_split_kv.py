@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _split_kv
+from jax_fa4 import _api, _path, _split_kv
 from jax_fa4._reference import reference_attention_visible
 
 FWD = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\((.*?)\) \{(.*?)\} : \((.*?)\) -> "
@@ -84,7 +84,7 @@ def _fwd_calls(text):
 def test_decode_lowers_to_the_split_kernel(built):
     """Batch 1, 32 query / 8 KV heads, 8k keys: pack-GQA gives 8 CTAs, so 16 splits of
     the banded kernel with fp32 partials (batch, split, ...), combined in the program."""
-    if _api._sm_count() != 132:
+    if _path.sm_count() != 132:
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(1, 1, 32, 128), sds(1, 8192, 8, 128)
     (attrs, results), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))
@@ -96,7 +96,7 @@ def test_decode_lowers_to_the_split_kernel(built):
 def test_full_grids_and_gradients_do_not_split(built):
     """A grid that fills the GPU keeps one split; the backward never splits (its call
     keeps the forward's band: no mask here)."""
-    if _api._sm_count() != 132:
+    if _path.sm_count() != 132:
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(8, 1024, 16, 128), sds(8, 1024, 16, 128)
     (attrs, _), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))

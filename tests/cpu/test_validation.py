@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _registry
+from jax_fa4 import _path, _registry
 
 
 def sds(*shape, dtype=jnp.bfloat16):
@@ -105,7 +105,7 @@ def test_cute_without_native_module(monkeypatch):
     (Q, KV, KV, dict(causal=True), r"no Hopper \(sm_90\) GPU visible to JAX"),
 ])
 def test_cute_capability_gaps(built, monkeypatch, q, k, v, kwargs, match):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    monkeypatch.setattr(_path, "gpu_devices", lambda: ())
     with pytest.raises(NotImplementedError, match=match):
         jax_fa4.attention(q, k, v, implementation="cute", **kwargs)
     ok, reason = jax_fa4.supports(q, k, v, **kwargs)
@@ -113,7 +113,7 @@ def test_cute_capability_gaps(built, monkeypatch, q, k, v, kwargs, match):
 
 
 def test_supports_reasons(built, monkeypatch):
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: ())
+    monkeypatch.setattr(_path, "gpu_devices", lambda: ())
     f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
     support = jax_fa4.supports(f32, f32, f32)
     assert support == (False, "dtype float32 has no kernel; the kernels take bfloat16 or "
@@ -124,7 +124,7 @@ def test_supports_reasons(built, monkeypatch):
     class Hopper:
         compute_capability = "9.0"
 
-    monkeypatch.setattr(_api, "_gpu_devices", lambda: (Hopper(),))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (Hopper(),))
     assert jax_fa4.supports(Q, KV, KV, causal=True) == (True, "")
     assert jax_fa4.supports(Q, KV, KV, causal=True).path == "kernel"
     assert jax_fa4.supports(Q, KV, KV, implementation="reference") == (True, "")

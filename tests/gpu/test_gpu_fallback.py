@@ -11,14 +11,14 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _fallback
+from jax_fa4 import _fallback, _path
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
 def not_hopper(monkeypatch):
-    monkeypatch.setattr(_api, "_is_hopper", lambda device: False)
+    monkeypatch.setattr(_path, "is_hopper", lambda device: False)
     monkeypatch.setattr(_fallback, "_warned", set())
 
 

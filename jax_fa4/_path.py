@@ -1,0 +1,150 @@
+"""Which path a call takes, and the kernel layout it runs in.
+
+The path: the kernel ("cute"), the kernel per platform ("platform": the kernel where
+lowered for CUDA, the reference elsewhere), cuDNN through jax.nn where the kernels
+cannot run on a GPU (`_fallback`), or the pure-JAX reference. The layout, on the kernel
+paths: pack-GQA (`_pack_gqa`) and split-KV (`_split_kv`). `plan` takes a validated spec
+to the final one. Whether a built kernel covers a spec is `_kernel_select`'s answer;
+whether this machine runs it, and what runs instead, is decided here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+
+from jax_fa4 import _fallback, _kernel_select, _pack_gqa, _registry, _split_kv
+from jax_fa4._spec import AttentionSpec
+
+
+def plan(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
+    """A validated spec with its path, then its packing, then its split: each step reads
+    the one before it (the split counts the grid the packing left). sizes: `sizes`'s."""
+    return with_split(with_packing(choose(spec, implementation, sizes), sizes[2]), sizes)
+
+
+def sizes(q, k, *, varlen: bool) -> tuple:
+    """(batch, query heads, Sq, Sk) as the kernels see them (varlen: one packed row)."""
+    if varlen:
+        return 1, q.shape[1], q.shape[0], k.shape[0]
+    return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
+
+
+def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
+    if implementation == "reference":
+        return spec.with_path("reference")
+    if implementation == "cute":
+        if _kernel_select.kernel_dtype(spec) is None:
+            raise ValueError(
+                f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
+        ok, reason = kernel_runs_here(spec, sizes)
+        if not ok:
+            raise NotImplementedError(reason)
+        return spec.with_path("cute")
+    ok, reason = kernel_support(spec, sizes)
+    if ok and not non_hopper_gpus():
+        return spec.with_path("platform")
+    if not gpu_devices():
+        return spec.with_path("reference")  # no GPU: the reference is this machine's path
+    # A GPU the kernels cannot serve: decided statically, since a per-platform switch
+    # would send any GPU to the kernel.
+    if not ok and _registry.native_reason() and not _fallback.native_allowed():
+        raise RuntimeError(
+            f"jax_fa4: {_registry.native_reason()}, on a machine with a GPU "
+            f"({describe(gpu_devices())}); reinstall jax_fa4 (pip install .), or set "
+            f"{_fallback.ALLOW_NO_NATIVE}=1 to run without the kernels (cuDNN or the "
+            "pure-JAX reference, with a warning)")
+    if ok:
+        reason = f"they need Hopper (sm_90) GPUs; visible: {describe(gpu_devices())}"
+    path, why = fallback(spec, sizes)
+    _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
+    return spec.with_path(path)
+
+
+def fallback(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
+    """("cudnn" or "reference", why not cuDNN) for a call the kernels do not take: cuDNN
+    needs a GPU and a call it computes exactly."""
+    if not gpu_devices():
+        return "reference", ""
+    ok, why = _fallback.cudnn_support(spec, sizes[2], sizes[3],
+                                      hopper=all(map(is_hopper, gpu_devices())))
+    return ("cudnn", "") if ok else ("reference", why)
+
+
+def with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
+    """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
+    its kernels were built."""
+    if spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int):
+        return spec  # a symbolic Sq (jax.export) keeps the plain layout
+    packed = dataclasses.replace(spec, pack_gqa=True)
+    fwd, bwd = _kernel_select.fwd_kernel, _kernel_select.bwd_kernel
+    if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, fwd(spec)["tile_m"])
+            and fwd(packed) is not None and (bwd(packed) is not None or bwd(spec) is None)):
+        return packed
+    return spec
+
+
+def with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
+    """Split-KV (`_split_kv`) on the kernel paths, for static sizes whose grid leaves SMs
+    idle, where the split kernel was built. The grid is counted as the kernel sees it:
+    pack-GQA runs each group's query heads as rows of one key/value head."""
+    batch, heads, seqlen_q, seqlen_k = sizes
+    if spec.path not in ("cute", "platform") or not all(
+            isinstance(n, int) for n in sizes):
+        return spec
+    split = _kernel_select.fwd_kernel(dataclasses.replace(spec, num_splits=2))
+    if split is None:
+        return spec
+    if spec.pack_gqa:
+        heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size
+    ctas = batch * heads * -(-seqlen_q // split["tile_m"])
+    splits = _split_kv.num_splits(ctas, -(-seqlen_k // split["tile_n"]), sm_count())
+    return dataclasses.replace(spec, num_splits=splits)
+
+
+def sm_count() -> int:
+    """SMs of the first Hopper GPU; an H100 SXM's 132 when none is visible (a kernel
+    path lowered without one)."""
+    hopper = [d for d in gpu_devices() if is_hopper(d)]
+    return getattr(hopper[0], "core_count", 132) if hopper else 132
+
+
+def kernel_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
+    """Whether a built kernel covers the call (devices aside)."""
+    ok, reason = _kernel_select.kernel_support(spec)
+    return (ok, reason) if not ok else _kernel_select.grid_support(*sizes[:2])
+
+
+def kernel_runs_here(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
+    ok, reason = kernel_support(spec, sizes)
+    if not ok:
+        return ok, reason
+    if not any(is_hopper(d) for d in gpu_devices()):
+        return False, f"no Hopper (sm_90) GPU visible to JAX; devices: {jax.devices()}"
+    return True, ""
+
+
+@functools.cache
+def gpu_devices() -> tuple:
+    # Cached: backends do not change within a process, and probing a missing backend
+    # raises on every call. Called through this module's globals, so tests can replace
+    # it with fake devices.
+    try:
+        return tuple(jax.devices("gpu"))
+    except RuntimeError:
+        return ()
+
+
+def is_hopper(device) -> bool:
+    return str(getattr(device, "compute_capability", "")).startswith("9.")
+
+
+def describe(devices) -> str:
+    return ", ".join(f"{getattr(d, 'device_kind', 'GPU')} (compute capability "
+                     f"{getattr(d, 'compute_capability', '?')})" for d in devices)
+
+
+def non_hopper_gpus() -> bool:
+    return any(not is_hopper(d) for d in gpu_devices())
