@@ -33,7 +33,7 @@ LINES = {
 }
 PASSES = {"forward": ("fwd",), "backward": ("bwd", "bwd_det")}
 # Fields that make a cell something other than a standard one.
-FEATURES = ("h_kv", "window", "softcap", "documents", "sq", "dv", "err")
+FEATURES = ("h_kv", "window", "softcap", "documents", "sq", "dv", "page_size", "err")
 
 
 def standard_cells(paths) -> dict:

@@ -52,18 +52,23 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True,
     """
     _check(q, k_cache, v_cache, page_table, kv_lengths)
     options = dict(causal=causal, window=window, softcap=softcap,
-                   softmax_scale=softmax_scale, implementation=implementation)
-    spec = _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, **options)
-    gathered = functools.partial(_gathered, functools.partial(_api.attention, **options,
-                                                              return_lse=True))
+                   softmax_scale=softmax_scale)
+    spec = _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks,
+                        implementation=implementation, **options)
+
+    def gathered(implementation):
+        attention = functools.partial(_api.attention, **options, return_lse=True,
+                                      implementation=implementation)
+        return functools.partial(_gathered, attention)
+
     if spec is None:
         if _path.gpu_devices() and implementation != "reference":
             _fallback.warn_message_once(GATHER_WARNING)
-        run = gathered
-    elif spec.path == "platform":  # the kernel where lowered for CUDA
+        run = gathered(implementation)
+    elif spec.path == "platform":  # the kernel where lowered for CUDA, else the reference
         def run(*args):
             return jax.lax.platform_dependent(
-                *args, cuda=functools.partial(_in_place, spec), default=gathered)
+                *args, cuda=functools.partial(_in_place, spec), default=gathered("reference"))
     else:
         run = functools.partial(_in_place, spec)
     out, lse = _inference_only(run, q, k_cache, v_cache, page_table, kv_lengths, sinks)
@@ -87,11 +92,10 @@ def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implemen
         return None
     if page_size % PAGE_ROWS:
         reason = f"the paged kernels take page sizes that are multiples of {PAGE_ROWS}"
-    elif _kernel_select.kernel_head_dims(spec) != (spec.head_dim, spec.head_dim_v):
-        reason = "the paged kernels run the built head dims only (no zero-padding)"
-    elif _kernel_select.fwd_kernel(paged) is None:
-        reason = f"no paged kernel for {_kernel_select.kernel_dtype(spec)} head dims " \
-                 f"{spec.head_dim} / {spec.head_dim_v}"
+    elif _kernel_select.kernel_head_dims(paged) != (spec.head_dim, spec.head_dim_v):
+        # (None when no paged kernel holds them; never zero-padded: the caches are not.)
+        reason = (f"no paged kernel for {_kernel_select.kernel_dtype(spec)} head dims "
+                  f"{spec.head_dim} / {spec.head_dim_v} (built: 64, 128, 256)")
     elif 0 in q.shape[:3]:
         return None  # nothing to launch: the gather path's empty result
     if reason and implementation == "cute":

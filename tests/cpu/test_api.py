@@ -172,6 +172,6 @@ def test_kernels_lists_the_built_manifest(expected_manifest):
 
 def test_public_surface():
     assert sorted(jax_fa4.__all__) == ["attention", "attention_varlen",
-                                       "dot_product_attention", "kernels", "ring_attention",
-                                       "supports", "unzigzag", "zigzag"]
+                                       "dot_product_attention", "kernels", "paged_attention",
+                                       "ring_attention", "supports", "unzigzag", "zigzag"]
     assert "B batch" in " ".join(jax_fa4.__doc__.split())

@@ -126,6 +126,13 @@ def sds(*shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def _fwd_operands(text):
+    """The operand types of the one jax_fa4_fwd call in `text`."""
+    calls = re.findall(r"custom_call @jax_fa4_fwd\(.*?: \((.*?)\) ->", text)
+    assert len(calls) == 1, calls
+    return calls[0].split(", ")
+
+
 def test_decode_lowers_to_the_kernel(built):
     """bf16 decode over 64-key pages lowers for CUDA to the paged forward kernel: the
     page table is its last operand (no gather), split-KV since batch 1 leaves SMs idle,
@@ -134,9 +141,8 @@ def test_decode_lowers_to_the_kernel(built):
     table, lengths = sds(1, 128, dtype=jnp.int32), sds(1, dtype=jnp.int32)
     text = jax.jit(jax_fa4.paged_attention).trace(q, cache, cache, table, lengths).lower(
         lowering_platforms=("cuda",)).as_text()
-    calls = re.findall(r"custom_call @jax_fa4_fwd\((.*?)\{.*?: \((.*?)\) ->", text)
-    assert len(calls) == 1 and "jax_fa4_bwd" not in text, calls
-    operands = calls[0][1].split(", ")
+    operands = _fwd_operands(text)
+    assert "jax_fa4_bwd" not in text
     # q (packed rows), the caches, rows, keys, plan, then the page table.
     assert operands[1:3] == ["tensor<300x64x8x128xbf16>"] * 2, operands
     assert operands[-1] == "tensor<1x128xi32>", operands
@@ -144,9 +150,11 @@ def test_decode_lowers_to_the_kernel(built):
         assert "num_splits = 16 : i32" in text
 
 
-@pytest.mark.parametrize("page_size,dims", [(24, (128, 128)), (64, (80, 80)),
-                                            (64, (192, 128))])
-def test_other_pages_and_head_dims_are_gathered(built, monkeypatch, page_size, dims):
+@pytest.mark.parametrize("page_size,dims,kernel_d", [(24, (128, 128), 128),
+                                                     (64, (80, 80), 96),  # zero-padded
+                                                     (64, (192, 128), 192)])
+def test_other_pages_and_head_dims_are_gathered(built, monkeypatch, page_size, dims,
+                                                 kernel_d):
     """Page sizes off the 16-key grid and head dims without a paged kernel lower to the
     dense kernel on gathered keys; implementation="cute" says why it cannot page."""
     d, dv = dims
@@ -155,8 +163,8 @@ def test_other_pages_and_head_dims_are_gathered(built, monkeypatch, page_size, d
     table, lengths = sds(1, 16, dtype=jnp.int32), sds(1, dtype=jnp.int32)
     text = jax.jit(jax_fa4.paged_attention).trace(
         q, k_cache, v_cache, table, lengths).lower(lowering_platforms=("cuda",)).as_text()
-    assert text.count("custom_call @jax_fa4_fwd(") == 1
-    assert f"tensor<300x{page_size}x8x{d}xbf16>" not in text.split("custom_call")[1]
+    operands = _fwd_operands(text)
+    assert operands[1] == f"tensor<1x{16 * page_size}x8x{kernel_d}xbf16>", operands  # gathered
     monkeypatch.setattr(_path, "gpu_devices", lambda: (Hopper(),))
     with pytest.raises(NotImplementedError, match="paged kernel"):
         _paged._kernel_spec(q, k_cache, v_cache, table, lengths, None, causal=True,

@@ -135,7 +135,7 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             cases.append((case, options, arrays, varlen))
         modes = (None,) if kernel["kind"] == "fwd" else (False, True)
         result.append((kernel, [
-            Call(kernel, case, _with_bounds(options, varlen), arrays, varlen, mode)
+            Call(kernel, case, _with_bounds(options, varlen), arrays, varlen, deterministic=mode)
             for case, options, arrays, varlen in cases for mode in modes]))
     return result
 
@@ -191,10 +191,10 @@ def ffi_kernels():
     built = set()
 
     def recording(build, kind):
-        def wrapper(*args, spec):
+        def wrapper(*args, spec, **keywords):
             find = _kernel_select.fwd_kernel if kind == "fwd" else _kernel_select.bwd_kernel
             built.add((kind, find(spec)["name"]))
-            return build(*args, spec=spec)
+            return build(*args, spec=spec, **keywords)
         return wrapper
 
     fwd, bwd = _ffi_calls.fwd, _ffi_calls.bwd

@@ -63,7 +63,7 @@ def test_paged_kernel(fa, page_size, sq, causal):
            causal=causal)
 
 
-@pytest.mark.parametrize("dtype,d", [("bfloat16", 64), ("float16", 96), ("bfloat16", 256),
+@pytest.mark.parametrize("dtype,d", [("bfloat16", 64), ("float16", 64), ("bfloat16", 256),
                                      ("float16", 128)])
 def test_paged_head_dims(fa, dtype, d):
     q, k_cache, v_cache, table = _problem(d, 32, 40, 3, jnp.dtype(dtype), d, d)
@@ -106,7 +106,8 @@ def test_changing_tables_under_jit(fa):
 
 
 def test_warns_once_when_pages_are_gathered(fa, monkeypatch):
-    """Pages of 24 keys have no paged kernel: gathered, said once, and right."""
+    """Pages of 24 keys have no paged kernel: gathered, said once, and right; head dim 96
+    has none either, and implementation="cute" says so."""
     monkeypatch.setattr(_fallback, "_warned", set())
     lengths = jnp.asarray([10, 64], jnp.int32)
     with warnings.catch_warnings(record=True) as caught:
@@ -121,3 +122,6 @@ def test_warns_once_when_pages_are_gathered(fa, monkeypatch):
     k, v = _paged.gather(k_cache, table), _paged.gather(v_cache, table)
     fa.assert_attention("gathered", out, lse, q, k, v, causal=True,
                         segments={"kv_lengths": lengths})
+    q, k_cache, v_cache, table = _problem(6, 16, 4, 1, d=96, dv=96)
+    with pytest.raises(NotImplementedError, match="no paged kernel"):
+        jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, implementation="cute")
