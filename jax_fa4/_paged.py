@@ -4,7 +4,7 @@ A cache holds K and V in pages of `page_size` keys, (num_pages, page_size, Hkv, 
 sequence b's key j lives in page page_table[b, j // page_size] at slot j % page_size, for
 j < kv_lengths[b]. On the kernel paths the paged variant of the segment kernel reads the
 pages in place (kernels/sm90/paged.py), split-KV and pack-GQA included, for page sizes
-that are multiples of PAGE_ROWS and the built head dims (D 192 / Dv 128 aside). Other
+that are multiples of PAGE_ROWS at the head dims with paged kernels (64, 128, 256). Other
 calls gather the pages a batch's table names into a dense (B, max_pages * page_size,
 Hkv, D) copy that `attention` runs with kv_lengths; on a GPU that says so once.
 """
@@ -20,12 +20,13 @@ import jax.numpy as jnp
 from jax_fa4 import (_api, _fallback, _ffi_calls, _kernel_select, _pack_gqa, _path,
                      _segment_plan, _validate)
 
-# Keys per TMA copy of the paged kernels: page sizes they take are multiples of it.
+# Keys per TMA copy of the paged kernels (kernels/sm90/paged.py PAGE_ROWS, ffi kPageRows):
+# the page sizes they take are multiples of it.
 PAGE_ROWS = 16
 GATHER_WARNING = (
     "jax_fa4.paged_attention gathers the pages of this call into a dense copy of K and V "
     "before the attention kernel (the paged kernels take page sizes that are multiples of "
-    f"{PAGE_ROWS} and the built head dims, D 192 / Dv 128 aside): it reads the cache about "
+    f"{PAGE_ROWS} at head dims 64, 128 and 256): it reads the cache about "
     "three times per step")
 
 
