@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Quick start. Sets up .venv (Python >= 3.12), builds and installs jax_fa4, then:
 #   bash run.sh train   trains the example GPT (examples/train_gpt.py; GPU or CPU preset)
+#   bash run.sh generate  decodes with a paged KV cache next to a dense one
+#                       (examples/generate.py; GPU or CPU preset)
 #   bash run.sh demo    runs attention on whatever backend is present (examples/demo.py)
 #   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU)
 #   bash run.sh wheel   builds the portable wheel into dist/ (abi3, manylinux by auditwheel)
@@ -64,9 +66,10 @@ case "${1:-}" in
   # Trains the example GPT (gpu preset on a GPU, cpu preset elsewhere); extra
   # arguments go to examples/train_gpt.py, e.g. --attention cudnn.
   train) setup && "$VENV/bin/python" examples/train_gpt.py "${@:2}" ;;
+  generate) setup && "$VENV/bin/python" examples/generate.py "${@:2}" ;;
   # The pytest executable (not python -m) keeps the source tree off sys.path, so the
   # tests import the installed package with its native module, which they then require.
   test) setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q tests ;;
   wheel) mkdir -p build && wheel ;;
-  *) echo "usage: bash run.sh train|demo|test|wheel [train arguments]" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh train|generate|demo|test|wheel [example arguments]" >&2; exit 2 ;;
 esac
