@@ -11,6 +11,8 @@ dense problem without masking, possible only because the documents are equal). B
 DETERMINISTIC also take deterministic=True: a backward that is bitwise reproducible (the
 bwd_det pass). Backends in PAGED take page_size and read K and V as a paged cache (its
 pages in a fixed random order), forward only: jax_fa4_paged, `paged_attention`.
+jax_fa4_lengths is jax_fa4 with kv_lengths of the whole rows (forward only), the dense
+cache to hold the paged one against: same kernel family, K and V contiguous.
 """
 
 import jax
@@ -77,6 +79,22 @@ def _jax_fa4_paged(causal, window_left=None, softcap=None, documents=None, page_
     return attend
 
 
+def _jax_fa4_lengths(causal, window_left=None, softcap=None, documents=None):
+    """attention with kv_lengths of the whole rows: the dense cache that a paged one is
+    measured against (the same per-row key ranges and plan, K/V contiguous)."""
+    if documents:
+        raise NotImplementedError("jax_fa4_lengths runs no documents")
+    window = None if window_left is None else (window_left, None)
+
+    def attend(q, k, v):
+        b, s = k.shape[:2]
+        return jax_fa4.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                 kv_lengths=jnp.full((b,), s, jnp.int32),
+                                 implementation="cute")
+
+    return attend
+
+
 def _as_documents(documents, x):
     """(B, S, ...) -> (B * documents, S / documents, ...)."""
     b, s = x.shape[:2]
@@ -108,6 +126,7 @@ BACKENDS = {
     "jax_fa4": _jax_fa4,
     "jax_fa4_varlen": _jax_fa4_varlen,
     "jax_fa4_paged": _jax_fa4_paged,
+    "jax_fa4_lengths": _jax_fa4_lengths,
     "jax_cudnn": _jax_nn("cudnn"),
     "jax_xla": _jax_nn("xla"),
 }

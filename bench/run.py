@@ -11,7 +11,8 @@
     python -m bench.run --seqlens 8192 --seqlen-q 1 --batch 64 --heads 32 --heads-kv 8 \
         --causal false                                     # decode step (pack-GQA)
     python -m bench.run --seqlens 131072 --seqlen-q 1 --batch 1 --heads 32 --heads-kv 8 \
-        --causal false --page-size 64       # decode over a paged cache (+ jax_fa4_paged)
+        --causal false --page-size 64       # decode over a paged cache (+ jax_fa4_paged,
+                                            # and jax_fa4_lengths: the dense cache)
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -122,7 +123,7 @@ def main():
 
     backends = (args.backends.split(",") if args.backends else
                 [be for be in BACKENDS if (args.documents or be != "jax_fa4_varlen")
-                 and (args.page_size or be not in PAGED)])
+                 and (args.page_size or be not in PAGED + ("jax_fa4_lengths",))])
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")

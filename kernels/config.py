@@ -31,11 +31,18 @@ CONSUMER_REGS = {2: 240, 3: 160}
 
 @dataclasses.dataclass(frozen=True)
 class Tile:
-    """CTA tile: `m` query rows (64 per consumer warpgroup) x `n` keys per K/V block."""
+    """CTA tile: `m` query rows (64 per consumer warpgroup) x `n` keys per K/V block.
+    `pingpong`: the consumers take turns issuing their GEMMs (named barriers), so one's
+    softmax runs under the other's MMA; off, they issue as soon as their operands are in.
+    `rescale_threshold`: FlashAttention-4's conditional rescaling (kernels/sm90/softmax.py):
+    a row's max moves only when it grows by more than this many log2 units; None rescales
+    on every growth."""
 
     m: int
     n: int
     kv_stages: int
+    pingpong: bool = True
+    rescale_threshold: float | None = None
 
     @property
     def consumers(self) -> int:
@@ -49,17 +56,25 @@ class Tile:
 # d64 (H100, bench, CUPTI time): 3 consumers (m=192) vs 2 (m=128), TFLOP/s at s=1k/8k:
 #   non-causal 333/557 vs 323/457; causal 165/437 vs 235/458. Short causal tiles skip
 #   too little work per CTA at m=192.
+# Ping-pong at d256 (H100, 2026-11-25, builds alternated twice in one call): off / on
+#   0.97-0.99 at 512-2k (either mask), 1.00 at 8k-16k: kept on.
+# Conditional rescaling (threshold 8) / always rescaling, same runs, ratio per seqlen
+#   512 / 2k / 8k / 16k: d64 1.02 / 1.02 / 1.03 / 0.97-1.04, causal 0.98 / 0.99 / 0.98 /
+#   0.99; d128 1.00 / 1.00 / 1.02 / 0.98-1.09, causal 0.90-1.00 / 1.00 / 1.00 / 1.00;
+#   d256 1.00 / 1.01 / 1.02 / 0.95-0.96, causal 0.98 / 1.00 / 1.01 / 1.01; D 192 / Dv
+#   128 at 16k 1.02-1.04. Kept where no length lost: d64, d128 and 192 / 128 non-causal.
+_RESCALE = 8.0
 _TILES = {
-    (64, False): Tile(m=192, n=128, kv_stages=2),
+    (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE),
     (64, True): Tile(m=128, n=128, kv_stages=2),
     (96, False): Tile(m=128, n=128, kv_stages=2),
     (96, True): Tile(m=128, n=128, kv_stages=2),
-    (128, False): Tile(m=128, n=128, kv_stages=2),
-    (128, True): Tile(m=128, n=128, kv_stages=2),
+    (128, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE, pingpong=False),
+    (128, True): Tile(m=128, n=128, kv_stages=2, pingpong=False),
     (256, False): Tile(m=128, n=80, kv_stages=2),
     (256, True): Tile(m=128, n=80, kv_stages=2),
     # D 192 / Dv 128: Q 48 + K 2 x 48 + V 2 x 32 = 208 KB.
-    (192, False): Tile(m=128, n=128, kv_stages=2),
+    (192, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE),
     (192, True): Tile(m=128, n=128, kv_stages=2),
 }
 
@@ -175,6 +190,8 @@ class BwdTile:
 # Shared memory (16-bit): Q and dO rings 2 * 2 * m*D, K and V n*D each, staged dS^T (and
 # P^T when split) 2 * m*n (each): d128 64 + 64 + 32 KB + 32 KB fp32 dQ staging; d256
 # 128 + 64 + 32 KB.
+# d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
+# of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),

@@ -38,9 +38,11 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
 3. postprocess, one CTA per (query tile, head, batch): dQ = s * accumulator, in dtype.
 
-The accumulator tile holds each consumer's dQ fragment value-major (value i of thread
-t at i * 128 + t): conflict-free shared-memory writes, and one contiguous bulk reduce
-per consumer. The postprocess maps values back to (row, col) with the same MMA layout.
+The accumulator tile holds each consumer's dQ fragment in quads (dq_quads): values
+4j .. 4j + 3 of thread t at 512 j + 4 t, so every access is 16 bytes and a warp's
+accesses cover 512 contiguous bytes (conflict-free shared-memory writes, one contiguous
+bulk reduce per consumer, and red.global.add.v4.f32 in bwd_split.py). The postprocess
+maps values back to (row, col) with the same MMA layout.
 """
 
 import enum
@@ -69,6 +71,21 @@ PRODUCER_REGS = 24
 CONSUMER_REGS = 240
 LOG2_E = math.log2(math.e)
 DTYPES = {"bf16": BFloat16, "fp16": Float16}
+QUAD = 4  # fp32 dQ accumulator values per 16-byte access
+
+
+def dq_quads(base, dq_vals: int, tidx):
+    """Thread tidx's (4, dq_vals / 4) view of a consumer's dQ accumulator part at `base`
+    (shared or global): quad j at 512 j + 4 tidx. Slicing the thread out of a
+    (4, thread, quad) layout keeps the 16-byte alignment visible to vector copies."""
+    layout = cute.make_layout((QUAD, WARPGROUP, dq_vals // QUAD),
+                              stride=(1, QUAD, QUAD * WARPGROUP))
+    return cute.make_tensor(base, layout)[None, tidx, None]
+
+
+def acc_quads(acc, dq_vals: int):
+    """A dQ fragment's registers as (4, dq_vals / 4): value i at (i % 4, i // 4)."""
+    return cute.make_tensor(acc.iterator, cute.make_layout((QUAD, dq_vals // QUAD)))
 
 
 class Barrier(enum.IntEnum):
@@ -221,7 +238,7 @@ class BwdSm90:
     @cute.kernel
     def postprocess(self, mdQaccum: cute.Tensor, mdQ: cute.Tensor, scale: Float32):
         """dQ = scale * accumulator in two coalesced passes through shared memory: the
-        accumulator is read value-major (one thread per (consumer, thread) of the main
+        accumulator is read in quads (one thread per (consumer, thread) of the main
         kernel's dQ fragment) into a (tile_m, D) tile; the tile is written 16 bytes per
         thread, whole rows per warp."""
         tidx, _, _ = cute.arch.thread_idx()
@@ -240,8 +257,10 @@ class BwdSm90:
         acc = cute.local_tile(
             mdQaccum[batch, head, None], (part,), (m_block * self.consumers + c,)
         )
+        vals = cute.make_rmem_tensor((QUAD, self.dq_vals // QUAD), Float32)
+        cute.autovec_copy(dq_quads(acc.iterator, self.dq_vals, t), vals)
         for i in cutlass.range_constexpr(self.dq_vals):
-            val = acc[i * WARPGROUP + t] * scale
+            val = vals[i % QUAD, i // QUAD] * scale
             sdQ[coord[i][0], c * self.dq_cols + coord[i][1]] = val.to(self.dtype)
         cute.arch.sync_threads()
         per_row = d // VEC
@@ -669,9 +688,7 @@ class BwdSm90:
         p_op = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
         ds_op = cute.make_tensor(r_ds.iterator, acc_as_operand_a(r_ds.layout))
         ds_r2s = wgmma.acc_store_copy(self._sdp_mma(), self.dtype)
-        sdQ_c = cute.make_tensor(
-            sdQ_ptr + c * tm * self.dq_cols, cute.make_layout((self.dq_vals, WARPGROUP), stride=(WARPGROUP, 1))
-        )
+        sdQ_c = dq_quads(sdQ_ptr + c * tm * self.dq_cols, self.dq_vals, tidx)
         key0 = n_block * self.tile_n + c * KEYS_PER_CONSUMER
 
         cute.arch.mbarrier_wait(kv_full, 0)
@@ -769,11 +786,10 @@ class BwdSm90:
         q_handle.release()
         do_handle.release()
 
-        # Stage the dQ partial for the writer warp, value-major (module docstring).
+        # Stage the dQ partial for the writer warp, in quads (module docstring).
         if staged_before > 0:
             self._dq_barrier(Barrier.DQ_EMPTY + c).arrive_and_wait()
-        for i in cutlass.range_constexpr(self.dq_vals):
-            sdQ_c[i, tidx] = acc_dq[i]
+        cute.autovec_copy(acc_quads(acc_dq, self.dq_vals), sdQ_c)
         cute.arch.fence_proxy("async.shared", space="cta")
         self._dq_barrier(Barrier.DQ_FULL + c).arrive()
         return q_consumer, do_consumer
@@ -833,11 +849,12 @@ class BwdSm90:
         )
 
     def _dq_mma(self):
-        """dQ = dS K: (tile_m, D / consumers); dS and K^T both MN-major in shared memory."""
+        """dQ = dS K: (tile_m, D / consumers), 64 rows per wgmma (a 128-row tile takes
+        two); dS and K^T both MN-major in shared memory."""
         mn_major = OperandMajorMode.MN
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, mn_major, mn_major, Float32, (1, 1, 1),
-            (self.tile_m, self.dq_cols),
+            (64, self.dq_cols),
         )
 
 

@@ -18,9 +18,9 @@ consumer 1 reads that in place of P^T (kernels/sm90/softcap.py).
 
 P^T and dS^T are staged per ring stage, so a consumer may start the next query tile
 while the other still reads this one. There is no room to stage dQ for bulk adds:
-each consumer adds its dQ_h from registers with red.global.add, into the same
-value-major accumulator layout as bwd.py (one warp instruction covers 32 consecutive
-floats), so the postprocess is shared. Deterministic mode orders these adds with the
+each consumer adds its dQ_h from registers with red.global.add.v4.f32, 16 bytes per
+instruction, into the same quad layout as bwd.py (a warp instruction covers 512
+contiguous bytes), so the postprocess is shared. Deterministic mode orders these adds with the
 same per-(query tile, half) semaphores.
 """
 
@@ -35,7 +35,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from kernels.config import BwdConfig
 from kernels.sm90 import segments, softcap, wgmma
-from kernels.sm90.bwd import KEYS_PER_CONSUMER, WARPGROUP, BwdSm90, _Fragments
+from kernels.sm90.bwd import (KEYS_PER_CONSUMER, QUAD, WARPGROUP, BwdSm90, _Fragments,
+                               acc_quads, dq_quads)
 from kernels.sm90.fragments import rows_cols
 
 
@@ -215,11 +216,12 @@ class BwdSm90SplitD(BwdSm90):
         batch: Int32, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
         band_hi: Int32, seg, visit: Int32,
     ):
-        """Adds consumer c's dQ partial to the accumulator, value-major (bwd.py); in
+        """Adds consumer c's dQ partial to the accumulator, in quads (bwd.py); in
         deterministic mode only on this key block's turn, then passes the turn on."""
         slot = m * self.consumers + c
         part = self.tile_m * self.dq_cols
-        dst = mdQaccum[batch, head, None].iterator + slot * part + tidx
+        dst = dq_quads(mdQaccum[batch, head, None].iterator + slot * part, self.dq_vals, tidx)
+        src = acc_quads(acc_dq, self.dq_vals)
         flag = mSem[batch, head, None].iterator + slot
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
@@ -229,9 +231,9 @@ class BwdSm90SplitD(BwdSm90):
                 while turn != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
             turn_barrier.arrive_and_wait()
-        for i in cutlass.range_constexpr(self.dq_vals):
-            cute.arch.red(dst + i * WARPGROUP, acc_dq[i], op="add", dtype=Float32,
-                          sem="relaxed", scope="gpu")
+        for j in cutlass.range_constexpr(self.dq_vals // QUAD):
+            cute.arch.red(dst[None, j].iterator, src[None, j].load(), op="add",
+                          dtype=Float32, sem="relaxed", scope="gpu")
         if deterministic != 0:
             cute.arch.fence_acq_rel_gpu()  # this thread's adds, before the next turn
             turn_barrier.arrive_and_wait()

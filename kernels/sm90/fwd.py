@@ -30,8 +30,9 @@ causal grids run the longest tiles first. Warpgroup roles:
   1..C   consumers, 64 query rows each. Key blocks are visited last to first. Each step
          issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back (wgmma, P from
          registers), then runs the online softmax of S_j while the PV product is still
-         on the tensor cores. Named barriers make the consumers take turns issuing
-         their wgmma (ping-pong), so one's softmax hides under the other's MMA.
+         on the tensor cores. With the tile's `pingpong`, named barriers make the
+         consumers take turns issuing their wgmma, so one's softmax hides under the
+         other's MMA.
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
          Split variants store their fp32 O from registers, rows past Sq skipped.
@@ -90,6 +91,8 @@ class FwdSm90:
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
         self.consumers = cfg.tile.consumers
+        self.pingpong = cfg.tile.pingpong
+        self.rescale_threshold = cfg.tile.rescale_threshold
         self.threads = WARPGROUP * (1 + self.consumers)
         self.consumer_regs = CONSUMER_REGS[self.consumers]
 
@@ -421,7 +424,7 @@ class FwdSm90:
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, dv)))
         acc_o.fill(0.0)
         coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
-        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD)
+        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD, self.rescale_threshold)
         o_scale = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         # P in the input dtype, viewed as the register A operand of O += P V.
         r_p = cute.make_rmem_tensor(thr_qk.make_fragment_C(s_shape).layout, self.dtype)
@@ -631,17 +634,21 @@ class FwdSm90:
     @cute.jit
     def _rescale(self, acc, row_scale):
         acc_rc = rows_cols(acc)
-        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
-            for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
-                acc_rc[r, col] = acc_rc[r, col] * row_scale[r]
+        if cutlass.const_expr(self.rescale_threshold is None):
+            for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+                for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                    acc_rc[r, col] = acc_rc[r, col] * row_scale[r]
+        else:
+            if OnlineSoftmax.needs_rescale(row_scale):
+                for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+                    for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
+                        acc_rc[r, col] = acc_rc[r, col] * row_scale[r]
 
     def _wait_turn(self, c):
-        pipeline.NamedBarrier(Barrier.TURN + c, 2 * WARPGROUP).arrive_and_wait()
+        if self.pingpong:
+            pipeline.NamedBarrier(Barrier.TURN + c, 2 * WARPGROUP).arrive_and_wait()
 
     def _pass_turn(self, c):
-        nxt = c + 1
-        if cutlass.const_expr(self.consumers == 2):
-            nxt = 1 - c
-        else:
-            nxt = nxt % self.consumers
-        pipeline.NamedBarrier(Barrier.TURN + nxt, 2 * WARPGROUP).arrive()
+        if self.pingpong:
+            nxt = 1 - c if self.consumers == 2 else (c + 1) % self.consumers
+            pipeline.NamedBarrier(Barrier.TURN + nxt, 2 * WARPGROUP).arrive()

@@ -8,6 +8,12 @@ exp2((s - m) * scale_log2) over the columns it holds. Each block:
 A row that has seen only -inf keeps m = -inf; it is treated as max 0 so that every p
 and o_scale is exactly 0 (no inf - inf). The partial sums are quad-reduced once, at the
 end. Requires scale_log2 > 0.
+
+Conditional rescaling (FlashAttention-4): with a `rescale_threshold` t, a row keeps its
+old max unless the new one exceeds it by more than t (in log2 units), and then o_scale
+is exactly 1. Exact: O and the sum share the stale max, and p <= 2^t stays finite in
+bf16 / fp16. The consumer skips multiplying O when no row of its warp moved
+(`needs_rescale`).
 """
 
 import math
@@ -26,19 +32,22 @@ def _quad_allreduce(x: Float32, op) -> Float32:
 
 
 class OnlineSoftmax:
-    def __init__(self, scale_log2: Float32, row_max: cute.Tensor, row_sum: cute.Tensor):
+    def __init__(self, scale_log2: Float32, row_max: cute.Tensor, row_sum: cute.Tensor,
+                 rescale_threshold: float | None = None):
         self.scale_log2 = scale_log2
         self.row_max = row_max
         self.row_sum = row_sum
         self.num_rows = cute.size(row_max)
+        self.rescale_threshold = rescale_threshold
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int,
+               rescale_threshold: float | None = None) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, row_max, row_sum)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold)
 
     # The DSL carries objects through dynamic control flow by their IR values.
     def __extract_mlir_values__(self):
@@ -46,7 +55,7 @@ class OnlineSoftmax:
 
     def __new_from_mlir_values__(self, values):
         parts = cutlass.new_from_mlir_values((self.scale_log2, self.row_max, self.row_sum), values)
-        return OnlineSoftmax(*parts)
+        return OnlineSoftmax(*parts, self.rescale_threshold)
 
     @cute.jit
     def step(self, s_rc: cute.Tensor, o_scale: cute.Tensor):
@@ -58,8 +67,14 @@ class OnlineSoftmax:
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 m = cute.arch.fmax(m, s_rc[r, c])
             m = _quad_allreduce(m, cute.arch.fmax)
+            if cutlass.const_expr(self.rescale_threshold is not None):
+                # False from -inf (m_old - m_old is NaN): the first finite max is taken.
+                keep = (m - m_old) * self.scale_log2 <= self.rescale_threshold
+                m = cutlass.select_(keep, m_old, m)
             m_scaled = cutlass.select_(m == -Float32.inf, Float32(0.0), m * self.scale_log2)
             scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            if cutlass.const_expr(self.rescale_threshold is not None):
+                scale = cutlass.select_(keep, Float32(1.0), scale)
             o_scale[r] = scale
             self.row_max[r] = m
             total = Float32(0.0)
@@ -68,6 +83,14 @@ class OnlineSoftmax:
                 s_rc[r, c] = p
                 total = total + p
             self.row_sum[r] = self.row_sum[r] * scale + total
+
+    @staticmethod
+    def needs_rescale(o_scale: cute.Tensor):
+        """Whether any row of this warp has an o_scale other than 1 (warp-uniform)."""
+        moved = o_scale[0] != Float32(1.0)
+        for r in range(1, cute.size(o_scale)):
+            moved = moved | (o_scale[r] != Float32(1.0))
+        return cute.arch.vote_any_sync(moved)
 
     @cute.jit
     def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor):
