@@ -33,7 +33,7 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           consumers read it for their half of the head dims of dQ = dS K.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
-   descending when causal, with the grid launched in that order; segment variants:
+   descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order.
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
 3. postprocess, one CTA per (query tile, head, batch): dQ = s * accumulator, in dtype.
@@ -120,7 +120,7 @@ class BwdSm90:
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
-        self.causal = cfg.causal
+        self.banded = cfg.banded
         self.softcap = cfg.softcap
         self.segments = cfg.segments
         self.tile_m = cfg.tile.m
@@ -324,7 +324,7 @@ class BwdSm90:
         self.storage = self._storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
         n_blocks, heads_kv = cute.ceil_div(k.shape[0], self.tile_n), k.shape[2]
         grid = (n_blocks, heads_kv, k.shape[3])
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.banded):
             # Key block 0 has the most query tiles. With atomic adds the K/V heads vary
             # fastest, so the longest CTAs of every head launch first (with GQA a CTA
             # walks its whole group: few, long CTAs). Deterministic adds keep key blocks
@@ -439,7 +439,7 @@ class BwdSm90:
         seqlen_k = tma_k.shape[0]
         m_begin, m_end, masked_front, masked_back = mask.q_block_range(
             n_block, seqlen_q, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n,
-            self.causal,
+            self.banded,
         )
         seg = None
         if cutlass.const_expr(self.segments):
@@ -595,7 +595,7 @@ class BwdSm90:
         """The turn of this key block at query tile m, visit i of its walk."""
         n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
         turn = mask.dq_turn(n_block, m, n_blocks, band_hi, self.tile_m, self.tile_n,
-                            self.causal)
+                            self.banded)
         if cutlass.const_expr(self.segments):
             turn = seg.plan_row[1 + seg.q_tiles + i]
         return turn
@@ -613,9 +613,9 @@ class BwdSm90:
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head = x, y
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.banded):
             if deterministic != 0:
-                # Causal adds run from the last key block down (mask.dq_turn): launch
+                # Banded adds run from the last key block down (mask.dq_turn): launch
                 # in that order, so every block a CTA waits for has started.
                 n_blocks, _, _ = cute.arch.grid_dim()
                 n_block = n_blocks - 1 - x
@@ -637,7 +637,7 @@ class BwdSm90:
                                     seg.seqlen_q, seqlen_k, keys_along_rows=True)
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
-                               self.causal)
+                               self.banded)
 
     def _dq_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)

@@ -3,7 +3,7 @@
 Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     S = Q K^T,  P = softmax(s * S) over the visible keys,  O = P V,
     LSE_i = log(sum_j exp(s * S_ij)),  natural log; a row with no visible key gives
-    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the causal variant
+    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the banded variant
     takes a runtime band lo <= j - i <= hi: causal, windows, either alignment).
     Softcap variants (banded) replace s * S_ij by c * tanh(s * S_ij / c) for a runtime
     cap c (kernels/sm90/softcap.py). Segment variants (banded) take visibility from
@@ -19,11 +19,11 @@ Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
 mRows, mKeys, mPlan (int32, segments.py); split variants write mO (B * num_splits, Sq, H,
 Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major. B, Sq, Sk, H and num_splits
-are runtime values, and so are the band's lo and hi and the softcap; dtype, D, causal, softcap and segments are
+are runtime values, and so are the band's lo and hi and the softcap; dtype, D, banded, softcap and segments are
 compiled in (kernels/config.py).
 
 One CTA per (tile of tile_m query rows, head, batch), and per split in split variants;
-causal grids run the longest tiles first. Warpgroup roles:
+banded grids run the longest tiles first. Warpgroup roles:
   0      producer: warp 0 issues TMA for this tile's Q once, then K and V blocks into
          two kv_stages-deep rings (separate pipelines, so S = Q K^T can start before
          V has landed); the other warps idle with few registers.
@@ -82,7 +82,7 @@ class FwdSm90:
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
-        self.causal = cfg.causal
+        self.banded = cfg.banded
         self.softcap = cfg.softcap
         self.segments = cfg.segments
         self.split = cfg.split
@@ -214,8 +214,8 @@ class FwdSm90:
             m_block = bx // num_splits
             split = bx - m_block * num_splits
             tiles = grid_x // num_splits
-        if cutlass.const_expr(self.causal):
-            m_block = tiles - 1 - m_block  # longest-first: causal tiles grow with m_block
+        if cutlass.const_expr(self.banded):
+            m_block = tiles - 1 - m_block  # longest-first: banded tiles grow with m_block
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -243,7 +243,7 @@ class FwdSm90:
                                 mask.kv_head(head, tma_q.shape[2], tma_k.shape[2]))
             seqlen_k = mPages.shape[2] * tma_k.shape[0]
         n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
-            m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.causal
+            m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.banded
         )
         seg = None
         if cutlass.const_expr(self.segments):
@@ -609,7 +609,7 @@ class FwdSm90:
                 segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
                                     seg.seqlen_q, seqlen_k)
         else:
-            mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.causal)
+            mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.banded)
 
     # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _qk_mma(self):
