@@ -8,7 +8,7 @@
 // and the kernel initializes (never allocated or cleared here):
 //   lse2, dsum (..., H, Sq_pad) fp32; dq_accum (..., H, Sq_pad * D) fp32;
 //   sem (..., H, Sq_pad / tile_m * consumers) int32; Sq_pad = Sq rounded up to tile_m.
-// Attributes: causal (bool: the banded kernel), softmax_scale (f32), deterministic
+// Attributes: banded (bool: the banded kernel), softmax_scale (f32), deterministic
 // (bool: dq accumulated in a fixed order, bitwise reproducible; otherwise with atomic
 // adds), window_left / window_right / top_left (the band) and softcap, as for
 // jax_fa4_fwd. Three more int32 operands after dlse select the segment variant, as for
@@ -65,7 +65,7 @@ bool HasDims(const ffi::AnyBuffer& x, ffi::AnyBuffer::Dimensions ref, size_t lea
 }
 
 // Validates the operands and picks the kernel; shared by both stages.
-ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap,
+ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool banded, float softcap,
                                 bool segments) {
   auto qd = x.q.dimensions(), kd = x.k.dimensions(), vd = x.v.dimensions();
   const std::string shapes = x.Describe();
@@ -100,16 +100,16 @@ ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool causal, float softcap
   const std::optional<Dtype> dtype = KernelDtype(type);
   if (!dtype)
     return ffi::Error::InvalidArgument("jax_fa4_bwd: dtype must be bf16 or fp16: " + shapes);
-  if (!ValidSoftcap(softcap, causal))
+  if (!ValidSoftcap(softcap, banded))
     return ffi::Error::InvalidArgument("jax_fa4_bwd: softcap must be finite and >= 0, and "
-                                       "> 0 only with causal (the banded kernel)");
+                                       "> 0 only with the banded kernel");
   p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
-                           causal, softcap > 0.0f, segments);
+                           banded, softcap > 0.0f, segments);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_bwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        HeadDims(p.head_dim, p.head_dim_v) +
-                                       (causal ? ", causal" : ", non-causal") +
+                                       (banded ? ", banded" : ", full") +
                                        (softcap > 0.0f ? ", softcap" : "") +
                                        (segments ? ", segments" : "") + ": " + shapes);
   p.workspace = WorkspaceExtents(*p.kernel, p.seqlen_q);
@@ -133,11 +133,11 @@ std::string ResultMismatch(const char* name, const ffi::AnyBuffer& result, ffi::
 ffi::Error BwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::AnyBuffer out, ffi::AnyBuffer dout, ffi::AnyBuffer lse,
                          ffi::AnyBuffer dlse, ffi::RemainingArgs segments,
-                         ffi::RemainingRets /*dq, ..., sem*/, bool causal,
+                         ffi::RemainingRets /*dq, ..., sem*/, bool banded,
                          float /*softmax_scale*/, bool /*deterministic*/,
                          int32_t /*window_left*/, int32_t /*window_right*/,
                          bool /*top_left*/, float softcap) {
-  auto problem = Select({q, k, v, out, dout, lse, dlse}, causal, softcap, segments.size() > 0);
+  auto problem = Select({q, k, v, out, dout, lse, dlse}, banded, softcap, segments.size() > 0);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_bwd", *problem->kernel, device);
 }
@@ -149,11 +149,11 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
                       ffi::Result<ffi::AnyBuffer> lse2, ffi::Result<ffi::AnyBuffer> dsum,
                       ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> sem,
-                      bool causal, float softmax_scale, bool deterministic,
+                      bool banded, float softmax_scale, bool deterministic,
                       int32_t window_left, int32_t window_right, bool top_left,
                       float softcap) {
   const BwdOperands operands{q, k, v, out, dout, lse, dlse};
-  auto problem = Select(operands, causal, softcap, segment_args.size() > 0);
+  auto problem = Select(operands, banded, softcap, segment_args.size() > 0);
   if (problem.has_error()) return problem.error();
   const BwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_bwd[") + p.kernel->name + "] " +
@@ -185,7 +185,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (p.seqlen_q == 0 || p.seqlen_k == 0)
     return ffi::Error::InvalidArgument(where + ": seqlen_q and seqlen_k must be >= 1 "
                                        "(handled in Python)");
-  // Grids (tiles, heads, batch), and (heads, key blocks, batch) for the causal main
+  // Grids (tiles, heads, batch), and (heads, key blocks, batch) for the banded main
   // kernel with atomic adds; the export ABI holds sizes as int32, dq_accum's extent
   // (Sq_pad * D) included.
   if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || key_blocks > kMaxGridYZ ||
@@ -251,7 +251,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdInitialize, jax_fa4::BwdInitialize,
                                   .Arg<ffi::AnyBuffer>()      // dlse
                                   .RemainingArgs()            // segments: select the kernel
                                   .RemainingRets()            // dq, ..., sem: not touched
-                                  .Attr<bool>("causal")       // selects the kernel
+                                  .Attr<bool>("banded")       // selects the kernel
                                   .Attr<float>("softmax_scale")  // unused here
                                   .Attr<bool>("deterministic")    // unused here
                                   .Attr<int32_t>("window_left")   // unused here
@@ -278,7 +278,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4BwdExecute, jax_fa4::BwdExecute,
                                   .Ret<ffi::AnyBuffer>()      // dsum (..., H, Sq_pad) f32
                                   .Ret<ffi::AnyBuffer>()      // dq_accum (..., H, Sq_pad*D) f32
                                   .Ret<ffi::AnyBuffer>()      // sem (..., H, n) s32
-                                  .Attr<bool>("causal")
+                                  .Attr<bool>("banded")
                                   .Attr<float>("softmax_scale")
                                   .Attr<bool>("deterministic")
                                   .Attr<int32_t>("window_left")

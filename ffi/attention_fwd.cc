@@ -2,7 +2,7 @@
 //
 // Operands q (..., Sq, H, D), k and v (..., Sk, H, D): bf16 or fp16, row-major; every
 // leading dimension is folded into the batch (so vmap can add axes). Results: out like
-// q, lse (..., H, Sq) fp32. Attributes: causal (bool: the banded kernel),
+// q, lse (..., H, Sq) fp32. Attributes: banded (bool: the banded kernel),
 // softmax_scale (f32), window_left / window_right (i32, < 0: unbounded; causal is a
 // right side of 0), top_left (bool: the band's alignment; else bottom-right), softcap
 // (f32, 0: none; else the banded kernel's softcap variant). Three more int32 operands
@@ -65,7 +65,7 @@ ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
 // Validates the operands and picks the kernel; shared by both stages. max_pages > 0:
 // a paged call, k and v are caches.
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
-                                const ffi::AnyBuffer& v, bool causal, float softcap,
+                                const ffi::AnyBuffer& v, bool banded, float softcap,
                                 bool segments, int32_t num_splits, int64_t max_pages) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
@@ -107,21 +107,21 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   const std::optional<Dtype> dtype = KernelDtype(q.element_type());
   if (!dtype)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: dtype must be bf16 or fp16: " + shapes);
-  if (!ValidSoftcap(softcap, causal))
+  if (!ValidSoftcap(softcap, banded))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
-                                       "> 0 only with causal (the banded kernel)");
-  if (num_splits < 1 || num_splits > kMaxSplits || (num_splits > 1 && !causal))
+                                       "> 0 only with the banded kernel");
+  if (num_splits < 1 || num_splits > kMaxSplits || (num_splits > 1 && !banded))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: num_splits must be in [1, " +
                                        std::to_string(kMaxSplits) +
-                                       "], and > 1 only with causal (the banded kernel)");
+                                       "], and > 1 only with the banded kernel");
   const bool split = num_splits > 1;
   p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
-                           causal, softcap > 0.0f, segments, split, paged);
+                           banded, softcap > 0.0f, segments, split, paged);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +
                                        HeadDims(p.head_dim, p.head_dim_v) +
-                                       (causal ? ", causal" : ", non-causal") +
+                                       (banded ? ", banded" : ", full") +
                                        (softcap > 0.0f ? ", softcap" : "") +
                                        (segments ? ", segments" : "") +
                                        (split ? ", split" : "") +
@@ -131,12 +131,12 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse*/,
-                         bool causal, float /*softmax_scale*/, int32_t /*window_left*/,
+                         bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          int32_t num_splits) {
   auto max_pages = MaxPages(segments);
   if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, causal, softcap, segments.size() > 0, num_splits,
+  auto problem = Select(q, k, v, banded, softcap, segments.size() > 0, num_splits,
                         *max_pages);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
@@ -145,12 +145,12 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::RemainingArgs segment_args,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                      bool causal, float softmax_scale, int32_t window_left,
+                      bool banded, float softmax_scale, int32_t window_left,
                       int32_t window_right, bool top_left, float softcap,
                       int32_t num_splits) {
   auto max_pages = MaxPages(segment_args);
   if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, causal, softcap, segment_args.size() > 0, num_splits,
+  auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, num_splits,
                         *max_pages);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
@@ -235,7 +235,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Arg<ffi::AnyBuffer>()          // v
                                   .RemainingArgs()                // segments: select the kernel
                                   .RemainingRets()                // out, lse: not touched
-                                  .Attr<bool>("causal")           // selects the kernel
+                                  .Attr<bool>("banded")           // selects the kernel
                                   .Attr<float>("softmax_scale")   // unused here
                                   .Attr<int32_t>("window_left")   // unused here
                                   .Attr<int32_t>("window_right")  // unused here
@@ -254,7 +254,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                                               // (+ page table: paged)
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
-                                  .Attr<bool>("causal")
+                                  .Attr<bool>("banded")
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")

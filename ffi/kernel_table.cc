@@ -99,12 +99,12 @@ bool IsLoadedAt(int slot, int32_t device) {
 
 template <typename Args>
 const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head_dim,
-                         int head_dim_v, bool causal, bool softcap, bool segments,
+                         int head_dim_v, bool banded, bool softcap, bool segments,
                          bool split, bool paged) {
   for (int i = 0; i < n; ++i) {
     const Kernel<Args>& k = table[i];
     if (k.dtype == dtype && k.head_dim == head_dim && k.head_dim_v == head_dim_v &&
-        k.causal == causal &&
+        k.banded == banded &&
         k.softcap == softcap && k.segments == segments && k.split == split &&
         k.paged == paged)
       return &k;
@@ -116,15 +116,15 @@ const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head
 
 const char* DtypeName(Dtype dtype) { return dtype == Dtype::kBF16 ? "bf16" : "fp16"; }
 
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments, bool split, bool paged) {
-  return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, head_dim_v, causal, softcap,
+  return Find(kFwdKernels, kNumFwdKernels, dtype, head_dim, head_dim_v, banded, softcap,
               segments, split, paged);
 }
 
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments) {
-  return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, head_dim_v, causal, softcap,
+  return Find(kBwdKernels, kNumBwdKernels, dtype, head_dim, head_dim_v, banded, softcap,
               segments, false, false);
 }
 

@@ -103,7 +103,7 @@ struct Kernel {
   Dtype dtype;
   int head_dim;    // of q and k
   int head_dim_v;  // of v and out
-  bool causal;   // the banded variant (runtime band)
+  bool banded;   // the banded variant (runtime band)
   bool softcap;  // scores capped as softcap * tanh(scores / softcap); banded only
   bool segments;  // visibility from per-row arrays and a plan (FwdArgs); banded only
   bool split;     // forward split-KV: fp32 partials per split (FwdArgs); banded only
@@ -126,9 +126,9 @@ extern const int kNumBwdKernels;
 const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments, bool split, bool paged);
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool causal,
+const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments);
 
 // Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),

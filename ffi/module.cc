@@ -37,7 +37,7 @@ void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
     e["dtype"] = jax_fa4::DtypeName(k.dtype);
     e["head_dim"] = k.head_dim;
     e["head_dim_v"] = k.head_dim_v;
-    e["causal"] = k.causal;
+    e["banded"] = k.banded;
     e["softcap"] = k.softcap;
     e["segments"] = k.segments;
     e["split"] = k.split;
@@ -66,5 +66,5 @@ NB_MODULE(_ffi, m) {
     AppendEntries(kernels, jax_fa4::kFwdKernels, jax_fa4::kNumFwdKernels, "fwd");
     AppendEntries(kernels, jax_fa4::kBwdKernels, jax_fa4::kNumBwdKernels, "bwd");
     return kernels;
-  }, "One dict per compiled kernel (name, kind, arch, dtype, head_dim, head_dim_v, causal, softcap, segments, tiles).");
+  }, "One dict per compiled kernel (name, kind, arch, dtype, head_dim, head_dim_v, banded, softcap, segments, tiles).");
 }

@@ -192,7 +192,7 @@ def supports(q, k, v, **kwargs) -> Support:
 
 
 def kernels() -> list[dict]:
-    """The compiled kernels (name, kind, arch, dtype, head_dim, head_dim_v, causal,
+    """The compiled kernels (name, kind, arch, dtype, head_dim, head_dim_v, banded,
     softcap, segments, split, paged, tile_m, tile_n, and dq_parts for backward kernels);
     [] when the native module is not built."""
     return _registry.manifest()

@@ -48,14 +48,14 @@ def head_dims(entry: dict) -> tuple[int, int]:
     return entry["head_dim"], entry.get("head_dim_v", entry["head_dim"])
 
 
-def find_kernel(kind: str, dtype: str, dims: tuple[int, int], causal: bool,
+def find_kernel(kind: str, dtype: str, dims: tuple[int, int], banded: bool,
                 softcap: bool = False, segments: bool = False,
                 split: bool = False, paged: bool = False) -> dict | None:
     """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd"), head
     dims (D, Dv) and configuration, None if there is none."""
-    key = (kind, dtype, dims, causal, softcap, segments, split, paged)
+    key = (kind, dtype, dims, banded, softcap, segments, split, paged)
     for entry in _MANIFEST:
-        if (entry["kind"], entry["dtype"], head_dims(entry), entry["causal"],
+        if (entry["kind"], entry["dtype"], head_dims(entry), entry["banded"],
                 entry.get("softcap", False), entry.get("segments", False),
                 entry.get("split", False), entry.get("paged", False)) == key:
             return dict(entry)

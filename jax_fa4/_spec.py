@@ -188,7 +188,7 @@ class AttentionSpec:
                     alignment=self.alignment, window=self.window, softcap=self.softcap)
 
     def ffi_attributes(self) -> dict:
-        """Attributes of the `jax_fa4_fwd` custom call: causal (the banded kernel) -> i1,
+        """Attributes of the `jax_fa4_fwd` custom call: banded (the banded kernel) -> i1,
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
         unbounded; causal is a right side of 0), top_left -> i1 (ffi/handler_common.h
         MakeBand), softcap -> f32 (0: none) and num_splits -> i32 (> 1: the banded
@@ -206,7 +206,7 @@ class AttentionSpec:
         def side(value):  # < 2^31 (_validate.band); MakeBand clamps the band to +-2^30
             return np.int32(-1 if value is None else value)
 
-        return {"causal": banded, "softmax_scale": np.float32(self.softmax_scale),
+        return {"banded": banded, "softmax_scale": np.float32(self.softmax_scale),
                 "window_left": side(self.window_left),
                 "window_right": side(0 if self.causal else self.window_right),
                 "top_left": self.alignment == "top_left",

@@ -1,7 +1,7 @@
 """Kernel configurations: the static choices one exported kernel is compiled for.
 
 A `FwdConfig` or `BwdConfig` names everything that is fixed at compile time (dtype,
-head_dim, causal, target arch) and derives the tile shape from it. Its `name` is the exported symbol
+head_dim, banded, target arch) and derives the tile shape from it. Its `name` is the exported symbol
 prefix, the key of the generated C++ kernel table and the entry in the manifest that
 `jax_fa4` reads at run time. Batch, sequence lengths, head count and softmax scale are
 runtime values, so `MANIFEST` stays small.
@@ -49,7 +49,7 @@ class Tile:
         return self.m // 64
 
 
-# Tiles per (head_dim, causal). Shared memory (bf16) is Q m*D + (K + V) n*D*stages of the
+# Tiles per (head_dim, banded). Shared memory (bf16) is Q m*D + (K + V) n*D*stages of the
 # 227 KB a CTA can use: d64 24/16 + 64 KB; d96 24 + 96 KB (the d128 tiles, not yet
 # tuned); d128 32 + 128 KB; d256 64 + 160 KB (n = 80 because K and V blocks of 128 keys
 # would not fit twice).
@@ -86,7 +86,9 @@ class _KernelConfig:
 
     dtype: str
     head_dim: int
-    causal: bool
+    # The banded variant: query row i sees the keys j with lo <= j - i <= hi, a runtime
+    # band (causal masks and sliding windows); `full` kernels see every key.
+    banded: bool
     arch: str = "sm_90a"
     # Logit soft-capping, c * tanh(s / c) with a runtime c: banded variants only (a call
     # without a mask runs them with an unbounded band), so that it adds one kernel per
@@ -122,9 +124,9 @@ class _KernelConfig:
             raise ValueError(f"head_dim {self.head_dim} not in {HEAD_DIMS}")
         if self.arch not in ARCHS:
             raise ValueError(f"arch {self.arch!r} not in {ARCHS}")
-        if (self.softcap or self.segments or self.split) and not self.causal:
+        if (self.softcap or self.segments or self.split) and not self.banded:
             raise ValueError("softcap, segment and split kernels are banded: they need "
-                             "causal=True")
+                             "banded=True")
         if (self.split or self.paged) and self.kind != "fwd":
             raise ValueError("split-KV and paged K/V are forward variants")
         if self.paged and not self.segments:
@@ -132,7 +134,7 @@ class _KernelConfig:
 
     @property
     def name(self) -> str:
-        mask = "causal" if self.causal else "full"
+        mask = "banded" if self.banded else "full"
         arch = self.arch.removesuffix("a").replace("_", "")
         cap = "_softcap" if self.softcap else ""
         seg = "_segments" if self.segments else ""
@@ -151,7 +153,7 @@ class _KernelConfig:
             "dtype": self.dtype,
             "head_dim": self.head_dim,
             "head_dim_v": self.head_dim_v,
-            "causal": self.causal,
+            "banded": self.banded,
             "softcap": self.softcap,
             "segments": self.segments,
             "split": self.split,
@@ -166,7 +168,7 @@ class FwdConfig(_KernelConfig):
 
     @property
     def tile(self) -> Tile:
-        return _TILES[(self.head_dim, self.causal)]
+        return _TILES[(self.head_dim, self.banded)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,13 +219,13 @@ class BwdConfig(_KernelConfig):
         return {**super().manifest_entry(), "dq_parts": self.tile.dq_parts}
 
 
-# (causal, softcap, segments) of the variants built per (dtype, head_dim).
+# (banded, softcap, segments) of the variants built per (dtype, head_dim).
 _VARIANTS = ((False, False, False), (True, False, False), (True, True, False),
              (True, False, True), (True, True, True))
 # (D, Dv) of every kernel: the square head dims, then the pairs.
 _DIMS = tuple((h, h) for h in HEAD_DIMS) + HEAD_DIM_PAIRS
 FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
-    FwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg,
+    FwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg,
               split=split, paged=paged)
     for paged, split in ((False, False), (False, True), (True, False), (True, True))
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)
@@ -231,7 +233,7 @@ FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
     and (not paged or h == hv and h in PAGED_HEAD_DIMS)
 )
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
-    BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, causal=c, softcap=cap, segments=seg)
+    BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)
 )
 MANIFEST = FWD_MANIFEST + BWD_MANIFEST

@@ -323,12 +323,12 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            causal, softcap, segments, split, paged = (
+            banded, softcap, segments, split, paged = (
                 "true" if flag else "false"
-                for flag in (cfg.causal, cfg.softcap, cfg.segments, cfg.split, cfg.paged))
+                for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged))
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
-                f'{causal}, {softcap}, {segments}, {split}, {paged}, '
+                f'{banded}, {softcap}, {segments}, {split}, {paged}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

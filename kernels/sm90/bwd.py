@@ -33,9 +33,15 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           consumers read it for their half of the head dims of dQ = dS K.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
-   descending when causal, with the grid launched in that order; segment variants:
+   descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order.
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
+   The roles get what they share in four holders built once in `kernel`: Gmem (TMA
+   atoms and tensors, the dQ accumulator and semaphores), Scalars (the launch's
+   runtime values), Walk (this CTA's key block, heads and query tiles) and Smem (the
+   shared-memory views). The consumers' loop over query heads and tiles
+   (_walk_tiles) is shared with bwd_split.py, which supplies its own _consumer_tiles
+   and _step.
 3. postprocess, one CTA per (query tile, head, batch): dQ = s * accumulator, in dtype.
 
 The accumulator tile holds each consumer's dQ fragment in quads (dq_quads): values
@@ -107,6 +113,58 @@ def _row_major_3(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[2, 1, 0]))
 
 
+class Gmem:
+    """What one CTA reads and writes in global memory: the TMA (atom, tensor) pairs of
+    the loads q, do (tile_m rows), k, v (tile_n rows), lse2, dsum (tile_m values) and of
+    the stores dk, dv, each tensor (S, D, H, B) or (S, H, B) (_launch_main); and the dQ
+    accumulator mdQaccum (B, H, Sq_pad * D) with its semaphores mSem (B, H, n)."""
+
+    def __init__(self, q, do, k, v, lse2, dsum, dk, dv, mdQaccum, mSem):
+        self.q, self.do, self.k, self.v, self.lse2, self.dsum = q, do, k, v, lse2, dsum
+        self.dk, self.dv = dk, dv
+        self.mdQaccum, self.mSem = mdQaccum, mSem
+
+
+class Scalars:
+    """The launch's runtime values, the same for every CTA: the softmax scale in base 2
+    (scale_log2) and natural (scale, dK's), deterministic (0 or 1: dQ added in a fixed
+    order), the band [band_lo, band_hi] of mask.py, softcap_scale (softcap.py) and Sk."""
+
+    def __init__(self, scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale,
+                 seqlen_k):
+        self.scale_log2, self.scale, self.deterministic = scale_log2, scale, deterministic
+        self.band_lo, self.band_hi, self.softcap_scale = band_lo, band_hi, softcap_scale
+        self.seqlen_k = seqlen_k
+
+
+class Walk:
+    """Which tiles this CTA computes, for all its roles: key block n_block of K/V head
+    kv_head in `batch`; the query heads that share it, heads = (head0, group), visited
+    one after the other; its query tiles [m_begin, m_end), of which the first
+    masked_front and the last masked_back need element masking (mask.q_block_range), or
+    in segment variants the visits 0 .. m_end - 1 of its plan; seg, the segment views
+    (segments.Views; None in other variants)."""
+
+    def __init__(self, n_block, kv_head, heads, batch, m_begin, m_end, masked_front,
+                 masked_back, seg):
+        self.n_block, self.kv_head, self.heads, self.batch = n_block, kv_head, heads, batch
+        self.m_begin, self.m_end = m_begin, m_end
+        self.masked_front, self.masked_back = masked_front, masked_back
+        self.seg = seg
+
+
+class Smem:
+    """This CTA's shared memory: the Q and dO rings sQ (tile_m, D, q_stages), sdO
+    (tile_m, Dv, q_stages) and their rows' sLSE2, sDsum (tile_m, q_stages); sK (tile_n,
+    D, 1), sV (tile_n, Dv, 1); the staged dS^T (and P^T) tiles sdS; kv_full, the barrier
+    of the K and V loads. (The dQ staging buffer is read from the storage struct where
+    it is used: a struct used inside a role's branch is rebuilt there.)"""
+
+    def __init__(self, sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full):
+        self.sQ, self.sdO, self.sK, self.sV, self.sdS = sQ, sdO, sK, sV, sdS
+        self.sLSE2, self.sDsum, self.kv_full = sLSE2, sDsum, kv_full
+
+
 class BwdSm90:
     # Writer warps in the producer warpgroup add the consumers' staged dQ partials.
     dq_writers = True
@@ -120,7 +178,7 @@ class BwdSm90:
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
-        self.causal = cfg.causal
+        self.banded = cfg.banded
         self.softcap = cfg.softcap
         self.segments = cfg.segments
         self.tile_m = cfg.tile.m
@@ -324,7 +382,7 @@ class BwdSm90:
         self.storage = self._storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
         n_blocks, heads_kv = cute.ceil_div(k.shape[0], self.tile_n), k.shape[2]
         grid = (n_blocks, heads_kv, k.shape[3])
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.banded):
             # Key block 0 has the most query tiles. With atomic adds the K/V heads vary
             # fastest, so the longest CTAs of every head launch first (with GQA a CTA
             # walks its whole group: few, long CTAs). Deterministic adds keep key blocks
@@ -439,7 +497,7 @@ class BwdSm90:
         seqlen_k = tma_k.shape[0]
         m_begin, m_end, masked_front, masked_back = mask.q_block_range(
             n_block, seqlen_q, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n,
-            self.causal,
+            self.banded,
         )
         seg = None
         if cutlass.const_expr(self.segments):
@@ -451,33 +509,30 @@ class BwdSm90:
         # GQA/MQA: this CTA's K/V block serves the query heads [head0, head0 + group),
         # visited one after the other, so dK and dV sum over the group in registers.
         group = tma_q.shape[2] // tma_k.shape[2]
-        heads = (kv_head * group, group)
+        walk = Walk(n_block, kv_head, (kv_head * group, group), batch, m_begin, m_end,
+                    masked_front, masked_back, seg)
+        run = Scalars(scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale,
+                      seqlen_k)
+        smem = Smem(sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full)
+        gmem = Gmem(
+            (tma_atom_q, tma_q), (tma_atom_do, tma_do), (tma_atom_k, tma_k),
+            (tma_atom_v, tma_v), (tma_atom_lse2, tma_lse2), (tma_atom_dsum, tma_dsum),
+            (tma_atom_dk, tma_dk), (tma_atom_dv, tma_dv), mdQaccum, mSem,
+        )
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.load(
-                    tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k,
-                    tma_atom_v, tma_v, tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
-                    sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
-                    n_block, kv_head, heads, batch, m_begin, m_end, seg,
-                )
+                self.load(gmem, smem, walk, q_producer, do_producer)
             # Nested: the DSL only resolves a const_expr that stands alone in its `if`.
             if cutlass.const_expr(self.dq_writers):  # noqa: SIM102
                 if warp >= 1 and warp <= self.consumers:
-                    self.dq_writer(
-                        storage.sdQ.data_ptr(), mdQaccum, mSem, deterministic, warp - 1,
-                        n_block, heads, batch, m_begin, m_end, tidx % WARP, band_hi, seg,
-                    )
+                    self.dq_writer(storage.sdQ.data_ptr(), gmem, run, walk, warp - 1,
+                                   tidx % WARP)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
-            self.mma(
-                tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2, scale,
-                sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full,
-                q_consumer, do_consumer, wg - 1, tidx % WARPGROUP, warp,
-                n_block, kv_head, heads, batch, m_begin, m_end, masked_front, masked_back,
-                seqlen_k, band_lo, band_hi, softcap_scale, mdQaccum, mSem, deterministic, seg,
-            )
+            self.mma(gmem, run, walk, smem, storage, q_consumer, do_consumer, wg - 1,
+                     tidx % WARPGROUP, warp)
 
     def _ring(self, barriers, tx_count: int):
         return pipeline.PipelineTmaAsync.create(
@@ -492,14 +547,17 @@ class BwdSm90:
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load(
-        self,
-        tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
-        tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum,
-        sQ, sdO, sK, sV, sLSE2, sDsum, kv_full, q_producer, do_producer,
-        n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        seg,
-    ):
+    def load(self, gmem: Gmem, smem: Smem, walk: Walk, q_producer, do_producer):
+        """K and V of this key block once, then per query head and tile of the walk its
+        Q, dO, LSE2 and Dsum into the rings."""
+        (tma_atom_q, tma_q), (tma_atom_do, tma_do) = gmem.q, gmem.do
+        (tma_atom_k, tma_k), (tma_atom_v, tma_v) = gmem.k, gmem.v
+        (tma_atom_lse2, tma_lse2), (tma_atom_dsum, tma_dsum) = gmem.lse2, gmem.dsum
+        sQ, sdO, sK, sV = smem.sQ, smem.sdO, smem.sK, smem.sV
+        sLSE2, sDsum = smem.sLSE2, smem.sDsum
+        kv_full = smem.kv_full
+        n_block, kv_head, heads, batch = walk.n_block, walk.kv_head, walk.heads, walk.batch
+        m_begin, m_end, seg = walk.m_begin, walk.m_end, walk.seg
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(kv_full, self.kv_bytes)
         for atom, src, dst, d in ((tma_atom_k, tma_k, sK, self.head_dim),
@@ -551,14 +609,14 @@ class BwdSm90:
         return producer
 
     @cute.jit
-    def dq_writer(
-        self, sdQ_ptr, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
-        c: Int32, n_block: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        lane: Int32, band_hi: Int32, seg,
-    ):
-        """Reduce-adds consumer c's staged dQ partials into the accumulator. One writer
-        warp per consumer, so a deterministic wait for one half never delays the other.
-        Lane 0 issues and waits for every bulk copy (bulk groups are per thread)."""
+    def dq_writer(self, sdQ_ptr, gmem: Gmem, run: Scalars, walk: Walk, c: Int32, lane: Int32):
+        """Reduce-adds consumer c's staged dQ partials (at sdQ_ptr) into the accumulator.
+        One writer warp per consumer, so a deterministic wait for one half never delays
+        the other. Lane 0 issues and waits for every bulk copy (bulk groups are per
+        thread)."""
+        mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
+        heads, batch, seg = walk.heads, walk.batch, walk.seg
+        m_begin, m_end = walk.m_begin, walk.m_end
         part = self.tile_m * self.dq_cols
         src = sdQ_ptr + c * part
         head0, group = heads
@@ -573,7 +631,7 @@ class BwdSm90:
                     flag = sem_row.iterator + slot
                     if deterministic != 0:
                         # the key blocks before this one in the tile's order have all added
-                        mine = self._dq_turn(n_block, m, band_hi, seg, i)
+                        mine = self._dq_turn(m, i, run, walk)
                         turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                         while turn != mine:
                             turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
@@ -591,13 +649,13 @@ class BwdSm90:
             cute.arch.cp_async_bulk_wait_group(0)
 
     @cute.jit
-    def _dq_turn(self, n_block: Int32, m: Int32, band_hi: Int32, seg, i: Int32):
+    def _dq_turn(self, m: Int32, i: Int32, run: Scalars, walk: Walk):
         """The turn of this key block at query tile m, visit i of its walk."""
         n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
-        turn = mask.dq_turn(n_block, m, n_blocks, band_hi, self.tile_m, self.tile_n,
-                            self.causal)
+        turn = mask.dq_turn(walk.n_block, m, n_blocks, run.band_hi, self.tile_m, self.tile_n,
+                            self.banded)
         if cutlass.const_expr(self.segments):
-            turn = seg.plan_row[1 + seg.q_tiles + i]
+            turn = walk.seg.plan_row[1 + walk.seg.q_tiles + i]
         return turn
 
     @cute.jit
@@ -613,9 +671,9 @@ class BwdSm90:
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head = x, y
-        if cutlass.const_expr(self.causal):
+        if cutlass.const_expr(self.banded):
             if deterministic != 0:
-                # Causal adds run from the last key block down (mask.dq_turn): launch
+                # Banded adds run from the last key block down (mask.dq_turn): launch
                 # in that order, so every block a CTA waits for has started.
                 n_blocks, _, _ = cute.arch.grid_dim()
                 n_block = n_blocks - 1 - x
@@ -624,12 +682,10 @@ class BwdSm90:
         return n_block, kv_head, z
 
     @cute.jit
-    def _mask_kq(
-        self, s_rc, coord_s, key0: Int32, m: Int32, seqlen_k: Int32, band_lo: Int32,
-        band_hi: Int32, seg, masked: Int32,
-    ):
+    def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32):
         """Element masking of S^T for query tile m: the band's, or, in segment variants,
         the per-row ranges and ids' when the plan flags the tile (`masked`)."""
+        seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         q0 = m * self.tile_m
         if cutlass.const_expr(self.segments):
             if masked != 0:
@@ -637,25 +693,55 @@ class BwdSm90:
                                     seg.seqlen_q, seqlen_k, keys_along_rows=True)
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
-                               self.causal)
+                               self.banded)
 
     def _dq_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def mma(
-        self,
-        tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
-        sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
-        c: Int32, tidx: Int32, warp: Int32,
-        n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        masked_front: Int32, masked_back: Int32,
-        seqlen_k: Int32, band_lo: Int32, band_hi: Int32, softcap_scale: Float32,
-        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32, seg,
-    ):
-        """Consumer c's loop over the group's query heads and their query tiles; the dQ
-        writer warps add its dQ partials."""
+    def mma(self, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem, storage, q_consumer,
+            do_consumer, c: Int32, tidx: Int32, warp: Int32):
+        """Consumer c: its tiles (_consumer_tiles), the walk over the group's query heads
+        and their query tiles (_walk_tiles, one _step each), then dK and dV out. `storage`
+        is the shared-memory struct as this role's branch sees it (Smem says why)."""
+        tiles = self._consumer_tiles(walk, smem, storage, c, tidx)
+        cute.arch.mbarrier_wait(smem.kv_full, 0)
+        self._walk_tiles(tiles, gmem, run, walk, smem, q_consumer, do_consumer)
+        self.epilogue(tiles.acc_dk, tiles.acc_dv, run.scale, gmem, smem, walk, c, tidx, warp)
+
+    @cute.jit
+    def _walk_tiles(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem,
+                    q_consumer, do_consumer):
+        """One _step per query head of the group and query tile of the walk: visits of
+        the plan in segment variants (masked as it says), else the tiles in ascending
+        order: those the band's upper edge cuts, the ones seen whole, those its lower
+        edge cuts (mask.q_block_range). _step gets the tile m, the head, the visit (the
+        plan's index, else m) and the plan's masked flag (else 1)."""
+        head0, group = walk.heads
+        m_begin, m_end = walk.m_begin, walk.m_end
+        whole_begin, whole_end = m_begin + walk.masked_front, m_end - walk.masked_back
+        for head in cutlass.range(head0, head0 + group, unroll=1):
+            if cutlass.const_expr(self.segments):
+                for i in cutlass.range(m_end, unroll=1):
+                    m, masked = segments.visit(walk.seg.plan_row, i)
+                    q_consumer, do_consumer = self._step(
+                        True, m, head, i, masked, tiles, gmem, run, walk, smem,
+                        q_consumer, do_consumer,
+                    )
+            else:
+                for is_masked, start, stop in ((True, m_begin, whole_begin),
+                                               (False, whole_begin, whole_end),
+                                               (True, whole_end, m_end)):
+                    for m in cutlass.range(start, stop, unroll=1):
+                        q_consumer, do_consumer = self._step(
+                            is_masked, m, head, m, 1, tiles, gmem, run, walk, smem,
+                            q_consumer, do_consumer,
+                        )
+
+    def _consumer_tiles(self, walk: Walk, smem: Smem, storage, c: Int32, tidx: Int32):
+        """Consumer c's operand fragments, accumulators and staging views (_Tiles)."""
+        sQ, sdO, sK, sV, sdS = smem.sQ, smem.sdO, smem.sK, smem.sV, smem.sdS
         d, dv, tm = self.head_dim, self.head_dim_v, self.tile_m
         sdQ_ptr = storage.sdQ.data_ptr()
         thr_sdp = self._sdp_mma().get_slice(tidx)
@@ -664,7 +750,7 @@ class BwdSm90:
         thr_dq = self._dq_mma().get_slice(tidx)
         sK_c = cute.local_tile(sK[None, None, 0], (KEYS_PER_CONSUMER, d), (c, 0))
         sV_c = cute.local_tile(sV[None, None, 0], (KEYS_PER_CONSUMER, dv), (c, 0))
-        frags = _Fragments(
+        frags = _Tiles(
             k=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK_c)),
             q=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
             v=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV_c)),
@@ -689,54 +775,31 @@ class BwdSm90:
         ds_op = cute.make_tensor(r_ds.iterator, acc_as_operand_a(r_ds.layout))
         ds_r2s = wgmma.acc_store_copy(self._sdp_mma(), self.dtype)
         sdQ_c = dq_quads(sdQ_ptr + c * tm * self.dq_cols, self.dq_vals, tidx)
-        key0 = n_block * self.tile_n + c * KEYS_PER_CONSUMER
-
-        cute.arch.mbarrier_wait(kv_full, 0)
-        head0, group = heads
-        # Query tiles in ascending order: those the band's upper edge cuts, the ones
-        # seen whole, those its lower edge cuts (mask.q_block_range).
-        whole_begin, whole_end = m_begin + masked_front, m_end - masked_back
-        for head in cutlass.range(head0, head0 + group, unroll=1):
-            if cutlass.const_expr(self.segments):
-                for i in cutlass.range(m_end, unroll=1):
-                    m, masked = segments.visit(seg.plan_row, i)
-                    q_consumer, do_consumer = self._step(
-                        True, m, (head - head0) + i, frags, s_shape,
-                        coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t,
-                        sdQ_c, sLSE2, sDsum, scale_log2, q_consumer, do_consumer, c, tidx,
-                        key0, seqlen_k, band_lo, band_hi, softcap_scale, seg, masked,
-                    )
-            else:
-                for is_masked, start, stop in ((True, m_begin, whole_begin),
-                                               (False, whole_begin, whole_end),
-                                               (True, whole_end, m_end)):
-                    for m in cutlass.range(start, stop, unroll=1):
-                        q_consumer, do_consumer = self._step(
-                            is_masked, m, (head - head0) + (m - m_begin), frags, s_shape,
-                            coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t,
-                            sdQ_c, sLSE2, sDsum, scale_log2, q_consumer, do_consumer, c,
-                            tidx, key0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
-                        )
-        self.epilogue(
-            acc_dk, acc_dv, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            sK, sV, c, tidx, warp, n_block, kv_head, batch,
+        key0 = walk.n_block * self.tile_n + c * KEYS_PER_CONSUMER
+        return _Tiles(
+            frags=frags, s_shape=s_shape, coord_s=coord_s, r_p=r_p, r_ds=r_ds, p_op=p_op,
+            ds_op=ds_op, acc_dv=acc_dv, acc_dk=acc_dk, ds_r2s=ds_r2s, sdS_t=sdS_t,
+            sdQ_c=sdQ_c, c=c, tidx=tidx, key0=key0,
         )
 
     @cute.jit
-    def _step(
-        self,
-        is_masked: cutlass.Constexpr,
-        m: Int32,
-        staged_before: Int32,
-        frags,
-        s_shape, coord_s, r_p, r_ds, p_op, ds_op, acc_dv, acc_dk, ds_r2s, sdS_t, sdQ_c,
-        sLSE2, sDsum, scale_log2: Float32, q_consumer, do_consumer,
-        c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32, seg, masked: Int32,
-    ):
-        """One query tile: five GEMMs, P and dS in registers, dQ partial staged.
-        staged_before > 0 when this CTA staged a dQ partial before (the writer must
-        have taken it). Segment variants mask when the plan's `masked` flag says so."""
+    def _step(self, is_masked: cutlass.Constexpr, m: Int32, head: Int32, visit: Int32,
+              masked: Int32, tiles, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem,
+              q_consumer, do_consumer):
+        """One query tile: five GEMMs, P and dS in registers, dQ partial staged; returns
+        the advanced ring consumers. Segment variants mask when the plan's `masked` flag
+        says so."""
+        # > 0 when this CTA staged a dQ partial before (the writer must have taken it).
+        if cutlass.const_expr(self.segments):
+            staged_before = (head - walk.heads[0]) + visit
+        else:
+            staged_before = (head - walk.heads[0]) + (visit - walk.m_begin)
+        frags, s_shape, coord_s = tiles.frags, tiles.s_shape, tiles.coord_s
+        r_p, r_ds, p_op, ds_op = tiles.r_p, tiles.r_ds, tiles.p_op, tiles.ds_op
+        acc_dv, acc_dk, ds_r2s = tiles.acc_dv, tiles.acc_dk, tiles.ds_r2s
+        sdS_t, sdQ_c, c, tidx, key0 = tiles.sdS_t, tiles.sdQ_c, tiles.c, tiles.tidx, tiles.key0
+        sLSE2, sDsum, scale_log2 = smem.sLSE2, smem.sDsum, run.scale_log2
+        softcap_scale = run.softcap_scale
         thr_sdp = self._sdp_mma().get_slice(tidx)
         thr_dq = self._dq_mma().get_slice(tidx)
         q_handle = q_consumer.wait_and_advance()
@@ -754,7 +817,7 @@ class BwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores_and_slope(s_rc, ds_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask_kq(s_rc, coord_s, key0, m, seqlen_k, band_lo, band_hi, seg, masked)
+            self._mask_kq(s_rc, coord_s, key0, m, run, walk.seg, masked)
         for col in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             lse2 = sLSE2[coord_s[0, col][1], stage]
             for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
@@ -795,12 +858,12 @@ class BwdSm90:
         return q_consumer, do_consumer
 
     @cute.jit
-    def epilogue(
-        self, acc_dk, acc_dv, scale: Float32,
-        tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, sK, sV,
-        c: Int32, tidx: Int32, warp: Int32, n_block: Int32, kv_head: Int32, batch: Int32,
-    ):
+    def epilogue(self, acc_dk, acc_dv, scale: Float32, gmem: Gmem, smem: Smem, walk: Walk,
+                 c: Int32, tidx: Int32, warp: Int32):
         """dK * scale and dV -> this consumer's part of the K and V buffers -> TMA."""
+        (tma_atom_dk, tma_dk), (tma_atom_dv, tma_dv) = gmem.dk, gmem.dv
+        sK, sV = smem.sK, smem.sV
+        n_block, kv_head, batch = walk.n_block, walk.kv_head, walk.batch
         d, dv = self.head_dim, self.head_dim_v
         r_dk = cute.make_rmem_tensor_like(acc_dk, self.dtype)
         r_dv = cute.make_rmem_tensor_like(acc_dv, self.dtype)
@@ -858,8 +921,10 @@ class BwdSm90:
         )
 
 
-class _Fragments:
-    """The wgmma operand fragments of the five GEMMs (static views of shared memory)."""
+class _Tiles:
+    """A consumer's per-CTA views, read-only in its loop: the wgmma operand fragments of
+    the five GEMMs (static views of shared memory), its accumulators and staging views
+    (the fields are the kernel's own: _consumer_tiles)."""
 
     def __init__(self, **views):
         self.__dict__.update(views)

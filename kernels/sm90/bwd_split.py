@@ -34,9 +34,9 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from kernels.config import BwdConfig
-from kernels.sm90 import segments, softcap, wgmma
-from kernels.sm90.bwd import (KEYS_PER_CONSUMER, QUAD, WARPGROUP, BwdSm90, _Fragments,
-                               acc_quads, dq_quads)
+from kernels.sm90 import softcap, wgmma
+from kernels.sm90.bwd import (KEYS_PER_CONSUMER, QUAD, WARPGROUP, BwdSm90, Gmem, Scalars,
+                               Smem, Walk, _Tiles, acc_quads, dq_quads)
 from kernels.sm90.fragments import rows_cols
 
 
@@ -60,19 +60,10 @@ class BwdSm90SplitD(BwdSm90):
         # each consumer's share of dV's columns (dq_cols: of dQ's and dK's)
         self.dv_cols = self.head_dim_v // self.consumers
 
-    @cute.jit
-    def mma(
-        self,
-        tma_atom_dk, tma_dk, tma_atom_dv, tma_dv, scale_log2: Float32, scale: Float32,
-        sQ, sdO, sK, sV, sdS, sLSE2, sDsum, storage, kv_full, q_consumer, do_consumer,
-        c: Int32, tidx: Int32, warp: Int32,
-        n_block: Int32, kv_head: Int32, heads, batch: Int32, m_begin: Int32, m_end: Int32,
-        masked_front: Int32, masked_back: Int32,
-        seqlen_k: Int32, band_lo: Int32, band_hi: Int32, softcap_scale: Float32,
-        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32, seg,
-    ):
-        """Consumer c: its share of S^T / dP^T and half c of the head dims, over the
-        group's query heads (bwd.py)."""
+    def _consumer_tiles(self, walk: Walk, smem: Smem, storage, c: Int32, tidx: Int32):
+        """Consumer c's operand fragments and accumulators: its share of S^T / dP^T and
+        half c of the head dims (_Tiles; the walk and epilogue are bwd.py's)."""
+        sQ, sdO, sK, sV, sdS = smem.sQ, smem.sdO, smem.sK, smem.sV, smem.sdS
         tm, tn, dc, stages = self.tile_m, self.tile_n, self.dq_cols, self.q_stages
         thr_sdp = self._sdp_mma().get_slice(tidx)
         thr_dk = self._dkv_mma(self.head_dim).get_slice(tidx)
@@ -84,7 +75,7 @@ class BwdSm90SplitD(BwdSm90):
         def half(t, cols):  # dims [c * cols, (c + 1) * cols) of a (dims, rows, stages) view
             return cute.local_tile(t, (cols, tm, stages), (c, 0, 0))
 
-        frags = _Fragments(
+        frags = _Tiles(
             k=thr_sdp.make_fragment_A(thr_sdp.partition_A(sK[None, None, 0])),
             q=thr_sdp.make_fragment_B(thr_sdp.partition_B(sQ)),
             v=thr_sdp.make_fragment_A(thr_sdp.partition_A(sV[None, None, 0])),
@@ -102,51 +93,21 @@ class BwdSm90SplitD(BwdSm90):
         acc_dk = thr_dk.make_fragment_C(thr_dk.partition_shape_C((tn, dc)))
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
-        key0 = n_block * tn
-
-        cute.arch.mbarrier_wait(kv_full, 0)
-        head0, group = heads
-        whole_begin, whole_end = m_begin + masked_front, m_end - masked_back
-        for head in cutlass.range(head0, head0 + group, unroll=1):
-            if cutlass.const_expr(self.segments):
-                for i in cutlass.range(m_end, unroll=1):
-                    m, masked = segments.visit(seg.plan_row, i)
-                    q_consumer, do_consumer = self._split_step(
-                        True, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
-                        scale_log2, q_consumer, do_consumer, c, tidx, key0,
-                        seqlen_k, band_lo, band_hi, softcap_scale, n_block, head, batch,
-                        mdQaccum, mSem, deterministic, seg, i, masked,
-                    )
-            else:
-                for is_masked, start, stop in ((True, m_begin, whole_begin),
-                                               (False, whole_begin, whole_end),
-                                               (True, whole_end, m_end)):
-                    for m in cutlass.range(start, stop, unroll=1):
-                        q_consumer, do_consumer = self._split_step(
-                            is_masked, m, frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum,
-                            scale_log2, q_consumer, do_consumer, c, tidx, key0,
-                            seqlen_k, band_lo, band_hi, softcap_scale, n_block, head, batch,
-                            mdQaccum, mSem, deterministic, seg, m, 1,
-                        )
-        self.epilogue(
-            acc_dk, acc_dv, scale, tma_atom_dk, tma_dk, tma_atom_dv, tma_dv,
-            sK, sV, c, tidx, warp, n_block, kv_head, batch,
-        )
+        key0 = walk.n_block * tn
+        return _Tiles(frags=frags, sP=sP, sdS_now=sdS_now, acc_dv=acc_dv, acc_dk=acc_dk,
+                      c=c, tidx=tidx, key0=key0)
 
     @cute.jit
-    def _split_step(
-        self,
-        is_masked: cutlass.Constexpr,
-        m: Int32,
-        frags, sP, sdS_now, acc_dv, acc_dk, sLSE2, sDsum, scale_log2: Float32,
-        q_consumer, do_consumer,
-        c: Int32, tidx: Int32, key0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32, n_block: Int32, head: Int32, batch: Int32,
-        mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32, seg, visit: Int32,
-        masked: Int32,
-    ):
-        """One query tile, `visit` of this key block's walk; returns the advanced ring
-        consumers. Segment variants mask when the plan's `masked` flag says so."""
+    def _step(self, is_masked: cutlass.Constexpr, m: Int32, head: Int32, visit: Int32,
+              masked: Int32, tiles, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem,
+              q_consumer, do_consumer):
+        """One query tile, step `visit` of this key block's walk (BwdSm90._walk_tiles);
+        returns the advanced ring consumers. Segment variants mask when the plan's
+        `masked` flag says so."""
+        frags, sP, sdS_now = tiles.frags, tiles.sP, tiles.sdS_now
+        acc_dv, acc_dk, c, tidx, key0 = tiles.acc_dv, tiles.acc_dk, tiles.c, tiles.tidx, tiles.key0
+        sLSE2, sDsum, scale_log2 = smem.sLSE2, smem.sDsum, run.scale_log2
+        softcap_scale = run.softcap_scale
         tm = self.tile_m
         sdp_mma = self._sdp_mma()
         thr_sdp = sdp_mma.get_slice(tidx)
@@ -169,8 +130,7 @@ class BwdSm90SplitD(BwdSm90):
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores_and_slope(s_rc, rows_cols(slope), softcap_scale)
             if cutlass.const_expr(is_masked):
-                self._mask_kq(s_rc, rows_cols(coord), key0, m, seqlen_k, band_lo, band_hi,
-                              seg, masked)
+                self._mask_kq(s_rc, rows_cols(coord), key0, m, run, walk.seg, masked)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 lse2 = sLSE2[coord[i][1], stage]
                 acc[i] = cute.math.exp2(acc[i] * scale_log2 - lse2, fastmath=True)
@@ -206,18 +166,19 @@ class BwdSm90SplitD(BwdSm90):
         warpgroup.wait_group(0)
         q_handle.release()
         do_handle.release()
-        self._add_dq(acc_dq, m, c, tidx, n_block, head, batch, mdQaccum, mSem, deterministic,
-                     band_hi, seg, visit)
+        self._add_dq(acc_dq, m, head, visit, c, tidx, gmem, run, walk)
         return q_consumer, do_consumer
 
     @cute.jit
     def _add_dq(
-        self, acc_dq, m: Int32, c: Int32, tidx: Int32, n_block: Int32, head: Int32,
-        batch: Int32, mdQaccum: cute.Tensor, mSem: cute.Tensor, deterministic: Int32,
-        band_hi: Int32, seg, visit: Int32,
+        self, acc_dq, m: Int32, head: Int32, visit: Int32, c: Int32, tidx: Int32,
+        gmem: Gmem, run: Scalars, walk: Walk,
     ):
-        """Adds consumer c's dQ partial to the accumulator, in quads (bwd.py); in
-        deterministic mode only on this key block's turn, then passes the turn on."""
+        """Adds consumer c's dQ partial for query tile m of `head` (visit `visit` of the
+        walk) to the accumulator, in quads (bwd.py); in deterministic mode only on this
+        key block's turn, then passes the turn on."""
+        mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
+        batch = walk.batch
         slot = m * self.consumers + c
         part = self.tile_m * self.dq_cols
         dst = dq_quads(mdQaccum[batch, head, None].iterator + slot * part, self.dq_vals, tidx)
@@ -226,7 +187,7 @@ class BwdSm90SplitD(BwdSm90):
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
-                mine = self._dq_turn(n_block, m, band_hi, seg, visit)
+                mine = self._dq_turn(m, visit, run, walk)
                 turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
                 while turn != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")

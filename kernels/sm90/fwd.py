@@ -3,7 +3,7 @@
 Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     S = Q K^T,  P = softmax(s * S) over the visible keys,  O = P V,
     LSE_i = log(sum_j exp(s * S_ij)),  natural log; a row with no visible key gives
-    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the causal variant
+    O_i = 0 and LSE_i = -inf.  Visibility: kernels/sm90/mask.py (the banded variant
     takes a runtime band lo <= j - i <= hi: causal, windows, either alignment).
     Softcap variants (banded) replace s * S_ij by c * tanh(s * S_ij / c) for a runtime
     cap c (kernels/sm90/softcap.py). Segment variants (banded) take visibility from
@@ -19,11 +19,11 @@ Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
 mRows, mKeys, mPlan (int32, segments.py); split variants write mO (B * num_splits, Sq, H,
 Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major. B, Sq, Sk, H and num_splits
-are runtime values, and so are the band's lo and hi and the softcap; dtype, D, causal, softcap and segments are
+are runtime values, and so are the band's lo and hi and the softcap; dtype, D, banded, softcap and segments are
 compiled in (kernels/config.py).
 
 One CTA per (tile of tile_m query rows, head, batch), and per split in split variants;
-causal grids run the longest tiles first. Warpgroup roles:
+banded grids run the longest tiles first. Warpgroup roles:
   0      producer: warp 0 issues TMA for this tile's Q once, then K and V blocks into
          two kv_stages-deep rings (separate pipelines, so S = Q K^T can start before
          V has landed); the other warps idle with few registers.
@@ -36,6 +36,9 @@ causal grids run the longest tiles first. Warpgroup roles:
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
          Split variants store their fp32 O from registers, rows past Sq skipped.
+The roles get what they share in four holders built once in `kernel`, as in bwd.py:
+Gmem (TMA atoms and tensors, mLSE), Scalars (the launch's runtime values), Walk (this
+CTA's query tile, head, batch and key blocks) and Smem (the shared-memory views).
 
 Build: kernels/export.py compiles and exports it ahead of time (no GPU needed).
 Test and time it through jax_fa4 on an H100: tests/gpu, bench/.
@@ -77,12 +80,55 @@ def _seq_major(t: cute.Tensor) -> cute.Tensor:
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
 
 
+class Gmem:
+    """What one CTA reads and writes in global memory: the TMA (atom, tensor) pairs of
+    q, k, v (loads) and o (store; split variants: atom None, tensor the fp32 partials),
+    each tensor (S, D, H, B) (kernels/sm90/paged.py for paged K and V), and mLSE
+    (Sq, H, B)."""
+
+    def __init__(self, q, k, v, o, mLSE):
+        self.q, self.k, self.v, self.o, self.mLSE = q, k, v, o, mLSE
+
+
+class Scalars:
+    """The launch's runtime values, the same for every CTA: the softmax scale in base 2,
+    the band [band_lo, band_hi] of mask.py, softcap_scale (softcap.py), Sq and Sk."""
+
+    def __init__(self, scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k):
+        self.scale_log2, self.band_lo, self.band_hi = scale_log2, band_lo, band_hi
+        self.softcap_scale, self.seqlen_q, self.seqlen_k = softcap_scale, seqlen_q, seqlen_k
+
+
+class Walk:
+    """Which tiles this CTA computes, for all its roles: query tile m_block of `head` in
+    `batch`; its key blocks [n_begin, n_end), visited from the last down, of which the
+    last masked_end and the first masked_begin need element masking
+    (mask.kv_block_range; split variants: this split's run of them), or in segment
+    variants the visits 0 .. n_end - 1 of its plan; seg, the segment views
+    (segments.Views; None in other variants)."""
+
+    def __init__(self, m_block, head, batch, n_begin, n_end, masked_end, masked_begin, seg):
+        self.m_block, self.head, self.batch = m_block, head, batch
+        self.n_begin, self.n_end = n_begin, n_end
+        self.masked_end, self.masked_begin = masked_end, masked_begin
+        self.seg = seg
+
+
+class Smem:
+    """This CTA's shared memory: sQ (CONSUMER_ROWS, D, consumers), the K and V rings sK
+    (tile_n, D, kv_stages), sV (Dv, tile_n, kv_stages), and q_full, the barrier of the
+    Q load."""
+
+    def __init__(self, sQ, sK, sV, q_full):
+        self.sQ, self.sK, self.sV, self.q_full = sQ, sK, sV, q_full
+
+
 class FwdSm90:
     def __init__(self, cfg: FwdConfig):
         self.dtype = DTYPES[cfg.dtype]
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
-        self.causal = cfg.causal
+        self.banded = cfg.banded
         self.softcap = cfg.softcap
         self.segments = cfg.segments
         self.split = cfg.split
@@ -214,8 +260,8 @@ class FwdSm90:
             m_block = bx // num_splits
             split = bx - m_block * num_splits
             tiles = grid_x // num_splits
-        if cutlass.const_expr(self.causal):
-            m_block = tiles - 1 - m_block  # longest-first: causal tiles grow with m_block
+        if cutlass.const_expr(self.banded):
+            m_block = tiles - 1 - m_block  # longest-first: banded tiles grow with m_block
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -243,7 +289,7 @@ class FwdSm90:
                                 mask.kv_head(head, tma_q.shape[2], tma_k.shape[2]))
             seqlen_k = mPages.shape[2] * tma_k.shape[0]
         n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
-            m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.causal
+            m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.banded
         )
         seg = None
         if cutlass.const_expr(self.segments):
@@ -263,26 +309,23 @@ class FwdSm90:
             n_begin, n_end, masked_end, masked_begin = band.split_blocks(
                 n_begin, n_end, masked_end, masked_begin, first, end, cutlass.min, cutlass.max)
 
+        gmem = Gmem((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v),
+                    (tma_atom_o, tma_o), mLSE)
+        run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k)
+        walk = Walk(m_block, head, batch, n_begin, n_end, masked_end, masked_begin, seg)
+        smem = Smem(sQ, sK, sV, q_full)
+
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                self.load(
-                    tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-                    sQ, sK, sV, q_full, k_producer, v_producer,
-                    m_block, head, batch, n_begin, n_end, seg, cache,
-                )
+                self.load(gmem, smem, walk, k_producer, v_producer, cache)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             out_batch = batch
             if cutlass.const_expr(self.split):
                 out_batch = batch * num_splits + split
-            self.mma_softmax_epilogue(
-                tma_atom_o, tma_o, mLSE, scale_log2,
-                sQ, sK, sV, q_full, k_consumer, v_consumer,
-                wg - 1, tidx % WARPGROUP, warp,
-                m_block, head, batch, out_batch, n_begin, n_end, masked_end, masked_begin,
-                seqlen_q, seqlen_k, band_lo, band_hi, softcap_scale, seg,
-            )
+            self.mma_softmax_epilogue(gmem, run, walk, smem, k_consumer, v_consumer,
+                                      wg - 1, tidx % WARPGROUP, warp, out_batch)
 
     def _kv_pipeline(self, barriers, tx_bytes):
         return pipeline.PipelineTmaAsync.create(
@@ -297,13 +340,13 @@ class FwdSm90:
 
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load(
-        self,
-        tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v,
-        sQ, sK, sV, q_full, k_producer, v_producer,
-        m_block: Int32, head: Int32, batch: Int32, n_begin: Int32, n_end: Int32, seg,
-        cache,
-    ):
+    def load(self, gmem: Gmem, smem: Smem, walk: Walk, k_producer, v_producer, cache):
+        """Q of this tile once, then the key blocks of the walk, K one block ahead of V
+        (cache: paged variants' paged.Cache, else None)."""
+        (tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v) = gmem.q, gmem.k, gmem.v
+        sQ, sK, sV, q_full = smem.sQ, smem.sK, smem.sV, smem.q_full
+        m_block, head, batch, seg = walk.m_block, walk.head, walk.batch, walk.seg
+        n_begin, n_end = walk.n_begin, walk.n_end
         d = self.head_dim
         if n_end > n_begin:
             gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
@@ -397,19 +440,18 @@ class FwdSm90:
 
     # ------------------------------------------------------------------ consumers
     @cute.jit
-    def mma_softmax_epilogue(
-        self,
-        tma_atom_o, tma_o, mLSE, scale_log2,
-        sQ, sK, sV, q_full, k_consumer, v_consumer,
-        c: Int32, tidx: Int32, warp: Int32,
-        m_block: Int32, head: Int32, batch: Int32, out_batch: Int32,
-        n_begin: Int32, n_end: Int32, masked_end: Int32, masked_begin: Int32,
-        seqlen_q: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32, seg,
-    ):
-        """Key blocks [n_begin, n_end), masked_end / masked_begin: mask.kv_block_range;
-        in segment variants, the plan's visits 0 .. n_end - 1. Out and LSE go to batch
-        `out_batch` (split variants: this split's)."""
+    def mma_softmax_epilogue(self, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem,
+                             k_consumer, v_consumer, c: Int32, tidx: Int32, warp: Int32,
+                             out_batch: Int32):
+        """Consumer c: S = Q K^T, online softmax and O += P V over the walk's key blocks
+        (the last visited block first; _step per block after it), then out and LSE to
+        batch `out_batch` (split variants: this split's)."""
+        (tma_atom_o, tma_o), mLSE = gmem.o, gmem.mLSE
+        sQ, sK, sV, q_full = smem.sQ, smem.sK, smem.sV, smem.q_full
+        m_block, head, seg = walk.m_block, walk.head, walk.seg
+        n_begin, n_end = walk.n_begin, walk.n_end
+        masked_end, masked_begin = walk.masked_end, walk.masked_begin
+        scale_log2, softcap_scale, seqlen_q = run.scale_log2, run.softcap_scale, run.seqlen_q
         dv, tile_n = self.head_dim_v, self.tile_n
         sQc = sQ[None, None, c]
         # O is staged in this consumer's own Q buffer (Dv <= D: it fits), in O's layout.
@@ -432,6 +474,9 @@ class FwdSm90:
         row0 = m_block * self.tile_m + c * CONSUMER_ROWS
         coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, dv))))
         tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
+        tiles = _Tiles(thr_qk=thr_qk, s_shape=s_shape, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV,
+                       tOrP=tOrP, r_p=r_p, acc_o=acc_o, coord_s=coord_s, softmax=softmax,
+                       o_scale=o_scale, c=c, row0=row0)
 
         if n_end > n_begin:
             if c == self.consumers - 1:
@@ -450,8 +495,7 @@ class FwdSm90:
             s_rc = rows_cols(acc_s)
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
-            self._mask(s_rc, coord_s, row0, n_last, seqlen_k, band_lo, band_hi, seg,
-                       first_masked)
+            self._mask(s_rc, coord_s, row0, n_last, run, seg, first_masked)
             softmax.step(s_rc, o_scale)
             r_p.store(acc_s.load().to(self.dtype))
 
@@ -459,32 +503,21 @@ class FwdSm90:
                 for i in cutlass.range(1, n_end, unroll=1):
                     n_block, masked = segments.visit(seg.plan_row, i)
                     k_consumer, v_consumer = self._step(
-                        True, n_block, thr_qk, s_shape, tSrQ, tSrK, tOrV,
-                        tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
-                        c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, masked,
-                    )
+                        True, n_block, masked, tiles, run, seg, k_consumer, v_consumer)
             else:
                 # Downwards: the rest of the top masked blocks, the whole ones, and the
                 # ones the band's left edge cuts.
                 for i in cutlass.range(masked_end - 1, unroll=1):
                     k_consumer, v_consumer = self._step(
-                        True, n_last - 1 - i, thr_qk, s_shape, tSrQ, tSrK, tOrV,
-                        tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer, v_consumer,
-                        c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
-                    )
+                        True, n_last - 1 - i, 1, tiles, run, seg, k_consumer, v_consumer)
                 n_whole_top = n_end - masked_end - 1
                 for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
                     k_consumer, v_consumer = self._step(
-                        False, n_whole_top - i, thr_qk, s_shape, tSrQ,
-                        tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                        v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
-                    )
+                        False, n_whole_top - i, 1, tiles, run, seg, k_consumer, v_consumer)
                 for i in cutlass.range(masked_begin, unroll=1):
                     k_consumer, v_consumer = self._step(
-                        True, n_begin + masked_begin - 1 - i, thr_qk, s_shape, tSrQ,
-                        tSrK, tOrV, tOrP, r_p, acc_o, coord_s, softmax, o_scale, k_consumer,
-                        v_consumer, c, row0, seqlen_k, band_lo, band_hi, softcap_scale, seg, 1,
-                    )
+                        True, n_begin + masked_begin - 1 - i, 1, tiles, run, seg, k_consumer,
+                        v_consumer)
 
             # PV of the last visited block.
             self._rescale(acc_o, o_scale)
@@ -501,18 +534,15 @@ class FwdSm90:
         )
 
     @cute.jit
-    def _step(
-        self,
-        is_masked: cutlass.Constexpr,
-        n_block: Int32,
-        thr_qk, s_shape, tSrQ, tSrK, tOrV, tOrP, r_p, acc_o, coord_s,
-        softmax, o_scale, k_consumer, v_consumer,
-        c: Int32, row0: Int32, seqlen_k: Int32, band_lo: Int32, band_hi: Int32,
-        softcap_scale: Float32, seg, masked: Int32,
-    ):
+    def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, masked: Int32, tiles,
+              run: Scalars, seg, k_consumer, v_consumer):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
-        overlapping the PV product (j = n_block; P_{j+1} is in r_p). Segment variants
-        mask when the plan's `masked` flag says so."""
+        overlapping the PV product (j = n_block; P_{j+1} is in r_p); returns the advanced
+        ring consumers. Segment variants mask when the plan's `masked` flag says so."""
+        thr_qk, s_shape, tSrQ, tSrK = tiles.thr_qk, tiles.s_shape, tiles.tSrQ, tiles.tSrK
+        tOrV, tOrP, r_p, acc_o = tiles.tOrV, tiles.tOrP, tiles.r_p, tiles.acc_o
+        coord_s, softmax, o_scale = tiles.coord_s, tiles.softmax, tiles.o_scale
+        c, row0, softcap_scale = tiles.c, tiles.row0, run.softcap_scale
         acc_s = thr_qk.make_fragment_C(s_shape)
         k_handle = k_consumer.wait_and_advance()
         self._wait_turn(c)
@@ -527,7 +557,7 @@ class FwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores(s_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask(s_rc, coord_s, row0, n_block, seqlen_k, band_lo, band_hi, seg, masked)
+            self._mask(s_rc, coord_s, row0, n_block, run, seg, masked)
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         v_handle.release()
@@ -597,19 +627,18 @@ class FwdSm90:
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _mask(
-        self, s_rc, coord_s, row0: Int32, n_block: Int32, seqlen_k: Int32,
-        band_lo: Int32, band_hi: Int32, seg, masked: Int32,
-    ):
+    def _mask(self, s_rc, coord_s, row0: Int32, n_block: Int32, run: Scalars, seg,
+              masked: Int32):
         """Element masking of key block n_block: the band's, or, in segment variants,
         the per-row ranges and ids' when the plan flags the block (`masked`)."""
+        seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         col0 = n_block * self.tile_n
         if cutlass.const_expr(self.segments):
             if masked != 0:
                 segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
                                     seg.seqlen_q, seqlen_k)
         else:
-            mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.causal)
+            mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.banded)
 
     # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _qk_mma(self):
@@ -652,3 +681,12 @@ class FwdSm90:
         if self.pingpong:
             nxt = 1 - c if self.consumers == 2 else (c + 1) % self.consumers
             pipeline.NamedBarrier(Barrier.TURN + nxt, 2 * WARPGROUP).arrive()
+
+
+class _Tiles:
+    """A consumer's per-CTA views, read-only in its loop over key blocks: the wgmma
+    operand fragments, the O accumulator, P's registers, the online softmax and the
+    coordinates (mma_softmax_epilogue names them)."""
+
+    def __init__(self, **views):
+        self.__dict__.update(views)

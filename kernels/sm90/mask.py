@@ -1,7 +1,7 @@
 """Which key blocks a query tile visits, and which elements inside a block are visible.
 
-Visibility of key column j from query row i: j < Sk and, in a banded kernel (the
-`causal` variant of kernels/config.py),
+Visibility of key column j from query row i: j < Sk and, in a banded kernel (`banded`
+in kernels/config.py),
 
     lo <= j - i <= hi
 

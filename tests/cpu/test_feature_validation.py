@@ -231,7 +231,7 @@ def test_varlen_takes_the_segment_kernels(hopper, kwargs, attributes):
         assert ("jax_fa4_bwd" in lowered) == grad
         for kind in ("fwd", "bwd") if grad else ("fwd",):
             call = custom_call(lowered, f"jax_fa4_{kind}")
-            assert "causal = true" in call and "top_left = false" in call, call
+            assert "banded = true" in call and "top_left = false" in call, call
             assert f"softcap = {softcap:e} : f32" in call, call
             assert f"window_left = {left} : i32" in call, call
             assert f"window_right = {right} : i32" in call, call
@@ -250,7 +250,7 @@ def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
     q = jnp.zeros((1, 8, 2, 64), jnp.bfloat16)
     lowered = jax.jit(lambda q: jax_fa4.attention(q, q, q, window=(None, 0))).trace(q).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert re.search(r"custom_call @jax_fa4_fwd\(.*causal = true", lowered)
+    assert re.search(r"custom_call @jax_fa4_fwd\(.*banded = true", lowered)
 
 
 @pytest.mark.parametrize("kwargs,band", [
@@ -275,7 +275,7 @@ def test_bands_take_the_banded_kernels(hopper, kwargs, band):
         call = custom_call(lowered, f"jax_fa4_{kind}")
         # A band alone is the banded kernel's attributes: no segment operands.
         assert operand_types(call) == attention_operands(kind, 2, 16, 24, 4, 4), call
-        assert "causal = true" in call, call
+        assert "banded = true" in call, call
         assert f"top_left = {str(top_left).lower()}" in call, call
         assert f"window_left = {left} : i32" in call, call
         assert f"window_right = {right} : i32" in call, call

@@ -23,15 +23,15 @@ from jax_fa4 import _api, _path, _registry
 # Attributes print in alphabetical order; num_splits and softcap sit between the ones
 # read here.
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
-                  r"causal = (true|false), num_splits = \d+ : i32, softcap = \S+ : f32, "
+                  r"banded = (true|false), num_splits = \d+ : i32, softcap = \S+ : f32, "
                   r"softmax_scale = (\S+) : f32")
-BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?causal = (true|false), "
+BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?banded = (true|false), "
                       r"deterministic = (true|false), softcap = \S+ : f32, "
                       r"softmax_scale = (\S+) : f32.*?-> \((.*)\)$", re.MULTILINE)
 
 
 def fwd_calls(fn, *args, platform="cuda"):
-    """[(causal, softmax_scale)] of each jax_fa4_fwd call in fn lowered for `platform`."""
+    """[(banded, softmax_scale)] of each jax_fa4_fwd call in fn lowered for `platform`."""
     # A fresh function each time: jit caches traces per function, and the path is
     # chosen while tracing.
     traced = jax.jit(lambda *a: fn(*a)).trace(*args)

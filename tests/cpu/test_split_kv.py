@@ -88,7 +88,7 @@ def test_decode_lowers_to_the_split_kernel(built):
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(1, 1, 32, 128), sds(1, 8192, 8, 128)
     (attrs, results), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))
-    assert "causal = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
+    assert "banded = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
     # pack-GQA rows: the 4 query heads of each KV head.
     assert results == "tensor<1x16x4x8x128xf32>, tensor<1x16x8x4xf32>", results
 
@@ -100,7 +100,7 @@ def test_full_grids_and_gradients_do_not_split(built):
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(8, 1024, 16, 128), sds(8, 1024, 16, 128)
     (attrs, _), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))
-    assert "causal = false" in attrs and "num_splits = 1 : i32" in attrs, attrs
+    assert "banded = false" in attrs and "num_splits = 1 : i32" in attrs, attrs
 
     q, kv = sds(1, 64, 8, 128), sds(1, 8192, 8, 128)
     loss = functools.partial(jax_fa4.attention)
@@ -109,7 +109,7 @@ def test_full_grids_and_gradients_do_not_split(built):
     (attrs, _), = _fwd_calls(text)
     assert "num_splits = 16 : i32" in attrs, attrs
     (bwd_attrs,) = BWD.findall(text)
-    assert "causal = false" in bwd_attrs and "num_splits" not in bwd_attrs, bwd_attrs
+    assert "banded = false" in bwd_attrs and "num_splits" not in bwd_attrs, bwd_attrs
 
 
 def test_symbolic_sizes_do_not_split(built):

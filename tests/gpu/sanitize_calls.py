@@ -126,7 +126,7 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             result.append((kernel, [Call(kernel, "paged cache, ids and lengths out of range",
                                          options, arrays, paged=True)]))
             continue
-        cases = [MAIN[kernel["causal"], kernel["softcap"], kernel["segments"]]]
+        cases = [MAIN[kernel["banded"], kernel["softcap"], kernel["segments"]]]
         if kernel["segments"]:
             case, arrays, varlen = OUT_OF_RANGE[turn[kernel["kind"]] % len(OUT_OF_RANGE)]
             turn[kernel["kind"]] += 1
