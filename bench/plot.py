@@ -2,8 +2,9 @@
 the standard cells (16k tokens per batch, hidden 2048, bf16) in `bench/results/*.jsonl`:
 jax_fa4 (atomic and deterministic backward) next to cuDNN and upstream FlashAttention-4.
 
-One PNG per pass (forward.png, backward.png) in --out, a panel per (mask, head dim).
-A cell measured in several files takes the last file's value (names sort by date).
+One PNG per pass (forward.png, backward.png) in --out, a panel per (mask, head dim);
+`--tables` prints README's tables of the same cells instead. A cell measured in several
+files takes the last file's value (names sort by date).
 Needs matplotlib (`pip install matplotlib`); README shows the PNGs.
 """
 
@@ -91,16 +92,56 @@ def draw(cells: dict, out: pathlib.Path) -> list[pathlib.Path]:
     return written
 
 
+def tables(cells: dict) -> str:
+    """README's markdown tables of the standard cells: per pass, head dim and mask,
+    jax_fa4 (and its deterministic backward) / cuDNN / upstream FA4 TFLOP/s and jax_fa4
+    over the best of the two peers."""
+    def tflops(backend, mode, d, causal, s):
+        return cells.get((backend, mode, d, causal, s), (None, ""))[0]
+
+    seqlens = sorted({s for (b, _, _, _, s) in cells if b == "jax_fa4"})
+    head_dims = sorted({d for (b, _, d, _, _) in cells if b == "jax_fa4"})
+    out = []
+    for name, (mode, what) in {"Forward": ("fwd", "jax_fa4"),
+                               "Backward": ("bwd", "jax_fa4 / deterministic")}.items():
+        out += [f"{name}, TFLOP/s as {what} / cuDNN / FA4, and jax_fa4 over the best peer:",
+                "", "| head_dim, mask | " + " | ".join(map(str, seqlens)) + " |",
+                "|---|" + "---|" * len(seqlens)]
+        for d in head_dims:
+            for causal in (False, True):
+                row = []
+                for s in seqlens:
+                    ours = tflops("jax_fa4", mode, d, causal, s)
+                    det = tflops("jax_fa4", "bwd_det", d, causal, s) if mode == "bwd" else None
+                    peers = [tflops(b, mode, d, causal, s) for b in ("jax_cudnn", "fa4_cute")]
+                    text = " / ".join("-" if x is None else f"{x:.0f}"
+                                      for x in [ours] + ([det] if mode == "bwd" else []) + peers)
+                    best = max((x for x in peers if x), default=None)
+                    ratio = "-"
+                    if ours and best:  # bold where jax_fa4 leads by the goal's 5%
+                        ratio = f"{ours / best:.2f}"
+                        ratio = f"**{ratio}**" if ours >= 1.05 * best else ratio
+                    row.append(f"{text} ({ratio})")
+                out.append(f"| {d}{' causal' if causal else ''} | " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=pathlib.Path, default=RESULTS,
                     help="folder of JSON lines from bench.run (and the peers' anchors)")
     ap.add_argument("--out", type=pathlib.Path, default=OUT)
+    ap.add_argument("--tables", action="store_true",
+                    help="print README's markdown tables of the same cells instead")
     args = ap.parse_args()
     paths = sorted(args.results.glob("*.jsonl"))
     if not paths:
         ap.error(f"no *.jsonl in {args.results}")
     cells = standard_cells(paths)
+    if args.tables:
+        print(tables(cells))
+        return
     for path in draw(cells, args.out):
         print(f"wrote {path} ({len(cells)} cells from {len(paths)} files)")
 

@@ -26,6 +26,7 @@ whose ratio compares it with the best peer's bwd.
 """
 
 import argparse
+import datetime
 import json
 import os
 import pathlib
@@ -170,6 +171,7 @@ def main():
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
 
+    today = datetime.date.today().isoformat()  # the plots' titles name the run's dates
     with open(args.out, "a") as out:
         for d in (int(x) for x in args.hdims.split(",")):
             for causal in (c == "true" for c in masks):
@@ -184,7 +186,7 @@ def main():
                         for be in backends:
                             if mode == "bwd_det" and be not in DETERMINISTIC:
                                 continue
-                            rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d,
+                            rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d, date=today,
                                        causal=causal, mode=mode, timing=method, device=device,
                                        **({"h_kv": h_kv} if h_kv != h else {}),
                                        **({"window": args.window}

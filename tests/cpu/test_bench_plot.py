@@ -54,3 +54,16 @@ def test_draws_both_passes(plot, tmp_path):
     assert [p.name for p in written] == ["forward.png", "backward.png"]
     for path in written:
         assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_tables_show_each_backend_and_bold_only_a_5_percent_lead(plot):
+    cells = {("jax_fa4", "fwd", 128, False, 2048): (630.0, ""),
+             ("jax_cudnn", "fwd", 128, False, 2048): (600.0, ""),
+             ("fa4_cute", "fwd", 128, False, 2048): (500.0, ""),
+             ("jax_fa4", "bwd", 128, False, 2048): (500.0, ""),
+             ("jax_fa4", "bwd_det", 128, False, 2048): (450.0, ""),
+             ("jax_cudnn", "bwd", 128, False, 2048): (480.0, "")}
+    text = plot.tables(cells)
+    assert "| 128 | 630 / 600 / 500 (**1.05**) |" in text
+    assert "| 128 | 500 / 450 / 480 / - (1.04) |" in text  # no FA4 cell: its column says -
+    assert "| 128 causal | - / - / - (-) |" in text

@@ -11,7 +11,7 @@
 #   bash tests/gpu/run_parts.sh multi      # 2 or more GPUs
 #
 # Extra arguments go to pytest. On an H100 (80 GB) on 2026-11-25, the final build: core
-# 5.0 minutes, features 7.4, heads 4.2, large 0.2.
+# 5.1 minutes (1784 passed), features 7.7 (505), heads 4.7 (319), large 0.5 (10).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi [pytest args]}
