@@ -1,0 +1,49 @@
+"""New / old time per cell from bench/ab.sh's JSON lines (or any bench.run outputs).
+
+    python -m bench.compare OUT base new        # reads OUT/{base,new}-{1,2}.jsonl
+
+Prints, per cell, old ms and the speedup old / new of each repetition (> 1: new is
+faster), then the range of speedups per head dim and mask.
+"""
+
+import argparse
+import json
+import pathlib
+
+KEY = ("mode", "d", "causal", "s", "b", "h")
+
+
+def _load(path: pathlib.Path) -> dict:
+    cells = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        cells[tuple(r.get(k) for k in KEY)] = r["ms"]
+    return cells
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("folder")
+    ap.add_argument("old")
+    ap.add_argument("new", nargs="+")
+    args = ap.parse_args(argv)
+    folder = pathlib.Path(args.folder)
+    for new in args.new:
+        reps = [(_load(folder / f"{args.old}-{r}.jsonl"), _load(folder / f"{new}-{r}.jsonl"))
+                for r in (1, 2)]
+        print(f"{new} vs {args.old} (speedup old / new per repetition)")
+        groups = {}
+        for cell in sorted(reps[0][0], key=str):
+            ratios = [old[cell] / fresh[cell] for old, fresh in reps
+                      if cell in old and cell in fresh]
+            mode, d, causal, s = cell[:4]
+            print(f"  {mode:7} d{d:<4} {'causal' if causal else 'full':6} s{s:<6} "
+                  f"{reps[0][0][cell]:8.4f} ms  " + "  ".join(f"{x:.3f}" for x in ratios))
+            groups.setdefault((mode, d, causal), []).extend(ratios)
+        for (mode, d, causal), ratios in groups.items():
+            print(f"  {mode} d{d} {'causal' if causal else 'full'}: "
+                  f"{min(ratios):.3f} - {max(ratios):.3f}")
+
+
+if __name__ == "__main__":
+    main()

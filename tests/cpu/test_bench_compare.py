@@ -1,0 +1,22 @@
+"""bench.compare: old / new per cell over both repetitions of bench/ab.sh."""
+
+import json
+
+from bench import compare
+
+
+def _write(path, ms):
+    cells = [{"mode": "fwd", "d": 64, "causal": c, "s": 2048, "b": 8, "h": 32, "ms": m}
+             for c, m in zip((False, True), ms)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in cells))
+
+
+def test_speedups_per_cell_and_group(tmp_path, capsys):
+    _write(tmp_path / "base-1.jsonl", (1.0, 2.0))
+    _write(tmp_path / "base-2.jsonl", (1.0, 2.0))
+    _write(tmp_path / "new-1.jsonl", (0.5, 2.5))
+    _write(tmp_path / "new-2.jsonl", (0.8, 2.0))
+    compare.main([str(tmp_path), "base", "new"])
+    out = capsys.readouterr().out
+    assert "fwd d64 full: 1.250 - 2.000" in out
+    assert "fwd d64 causal: 0.800 - 1.000" in out
