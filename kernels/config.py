@@ -36,15 +36,13 @@ class Tile:
     softmax runs under the other's MMA; off, they issue as soon as their operands are in.
     `rescale_threshold`: FlashAttention-4's conditional rescaling (kernels/sm90/softmax.py):
     a row's max moves only when it grows by more than this many log2 units; None rescales
-    on every growth. `fma_exp2`: of every 8 probabilities in a thread's row, this many
-    take exp2 from a polynomial on the FMA units instead of MUFU (softmax.py)."""
+    on every growth."""
 
     m: int
     n: int
     kv_stages: int
     pingpong: bool = True
     rescale_threshold: float | None = None
-    fma_exp2: int = 0
 
     @property
     def consumers(self) -> int:
@@ -66,11 +64,13 @@ class Tile:
 #   0.99; d128 1.00 / 1.00 / 1.02 / 0.98-1.09, causal 0.90-1.00 / 1.00 / 1.00 / 1.00;
 #   d256 1.00 / 1.01 / 1.02 / 0.95-0.96, causal 0.98 / 1.00 / 1.01 / 1.01; D 192 / Dv
 #   128 at 16k 1.02-1.04. Kept where no length lost: d64, d128 and 192 / 128 non-causal.
-# exp2 on the FMA units for k of every 8 probabilities / MUFU only (H100, 2026-11-25,
-#   builds alternated twice in one call), speed ratio at 2k / 16k: k = 1: d64 0.97 /
-#   0.90-0.98, causal 0.99-1.00 / 1.03; d128 0.97-0.98 / 0.91-0.98, causal 0.95-0.96 /
-#   0.95. k = 2: d64 0.93-0.95 / 0.96-0.98, causal 0.95-1.02 / 1.00; d128 0.93 / 0.91-0.92,
-#   causal 0.93-0.98 / 0.92. k = 3: 0.84-0.97. Kept nowhere (k = 0).
+# exp2 on the FMA units for k of every 8 probabilities (FlashAttention-4's emulation,
+#   commit e77e4be) / MUFU only (H100, 2026-11-25, builds alternated twice in one call),
+#   speed ratio at 2k / 16k: k = 1: d64 0.97 / 0.90-0.98, causal 0.99-1.00 / 1.03; d128
+#   0.97-0.98 / 0.91-0.98, causal 0.95-0.96 / 0.95. k = 2: d64 0.93-0.95 / 0.96-0.98,
+#   causal 0.95-1.02 / 1.00; d128 0.93 / 0.91-0.92, causal 0.93-0.98 / 0.92. k = 3:
+#   0.84-0.97. Not kept: an emulated exp2 issues about 9 instructions (Hopper has no
+#   packed fp32 FMA), which cost more issue slots than the MUFU time they save.
 _RESCALE = 8.0
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE),

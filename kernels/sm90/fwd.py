@@ -139,7 +139,6 @@ class FwdSm90:
         self.consumers = cfg.tile.consumers
         self.pingpong = cfg.tile.pingpong
         self.rescale_threshold = cfg.tile.rescale_threshold
-        self.fma_exp2 = cfg.tile.fma_exp2
         self.threads = WARPGROUP * (1 + self.consumers)
         self.consumer_regs = CONSUMER_REGS[self.consumers]
 
@@ -467,8 +466,7 @@ class FwdSm90:
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, dv)))
         acc_o.fill(0.0)
         coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
-        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD, self.rescale_threshold,
-                                       self.fma_exp2)
+        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD, self.rescale_threshold)
         o_scale = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         # P in the input dtype, viewed as the register A operand of O += P V.
         r_p = cute.make_rmem_tensor(thr_qk.make_fragment_C(s_shape).layout, self.dtype)

@@ -14,11 +14,6 @@ old max unless the new one exceeds it by more than t (in log2 units), and then o
 is exactly 1. Exact: O and the sum share the stale max, and p <= 2^t stays finite in
 bf16 / fp16. The consumer skips multiplying O when no row of its warp moved
 (`needs_rescale`).
-
-Emulated exp2 (FlashAttention-4): the SM issues 16 MUFU exp2 per clock against 128 fp32
-FMAs, so at small head dims the softmax waits on MUFU. With `fma_exp2` = k, k of every
-8 probabilities in a thread's row come from `exp2_on_fma` instead (FMA and integer
-units only, kernels/sm90/exp2_poly.py); about 3 of 8 balances the two pipes.
 """
 
 import math
@@ -26,22 +21,8 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
-from cutlass._mlir.dialects import llvm
-from cutlass.cutlass_dsl import T, dsl_user_op
-
-from kernels.sm90 import exp2_poly
 
 LN2 = math.log(2.0)
-
-
-@dsl_user_op
-def exp2_on_fma(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2^x for x <= 127 from a cubic on the FMA units (relative error < 1e-4); 0 for
-    x <= -127 and -inf."""
-    bits = llvm.inline_asm(T.i32(), [Float32(x).ir_value(loc=loc, ip=ip)], exp2_poly.PTX,
-                           "=r,f", has_side_effects=False, is_align_stack=False,
-                           asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return Float32(llvm.bitcast(T.f32(), bits, loc=loc, ip=ip))
 
 
 def _quad_allreduce(x: Float32, op) -> Float32:
@@ -52,22 +33,21 @@ def _quad_allreduce(x: Float32, op) -> Float32:
 
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, row_max: cute.Tensor, row_sum: cute.Tensor,
-                 rescale_threshold: float | None = None, fma_exp2: int = 0):
+                 rescale_threshold: float | None = None):
         self.scale_log2 = scale_log2
         self.row_max = row_max
         self.row_sum = row_sum
         self.num_rows = cute.size(row_max)
         self.rescale_threshold = rescale_threshold
-        self.fma_exp2 = fma_exp2
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None,
-               fma_exp2: int = 0) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int,
+               rescale_threshold: float | None = None) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold, fma_exp2)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold)
 
     # The DSL carries objects through dynamic control flow by their IR values.
     def __extract_mlir_values__(self):
@@ -75,7 +55,7 @@ class OnlineSoftmax:
 
     def __new_from_mlir_values__(self, values):
         parts = cutlass.new_from_mlir_values((self.scale_log2, self.row_max, self.row_sum), values)
-        return OnlineSoftmax(*parts, self.rescale_threshold, self.fma_exp2)
+        return OnlineSoftmax(*parts, self.rescale_threshold)
 
     @cute.jit
     def step(self, s_rc: cute.Tensor, o_scale: cute.Tensor):
@@ -99,11 +79,7 @@ class OnlineSoftmax:
             self.row_max[r] = m
             total = Float32(0.0)
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                x = s_rc[r, c] * self.scale_log2 - m_scaled
-                if cutlass.const_expr(c % 8 < self.fma_exp2):
-                    p = exp2_on_fma(x)
-                else:
-                    p = cute.math.exp2(x, fastmath=True)
+                p = cute.math.exp2(s_rc[r, c] * self.scale_log2 - m_scaled, fastmath=True)
                 s_rc[r, c] = p
                 total = total + p
             self.row_sum[r] = self.row_sum[r] * scale + total
