@@ -198,6 +198,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                 std::to_string(device) + " (initialize stage did not run)");
 
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
+  auto num_sms = SmCount(where, device);
+  if (num_sms.has_error()) return num_sms.error();
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   FwdArgs args{const_cast<void*>(q.untyped_data()),
@@ -216,6 +218,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                SoftcapScale(softmax_scale, softcap)};
   args.num_splits = num_splits;
   args.split_batch = static_cast<int32_t>(p.batch * num_splits);
+  args.num_sms = *num_sms;
   args.page_table = page_table;
   args.num_pages = static_cast<int32_t>(p.num_pages);
   args.page_size = static_cast<int32_t>(p.page_size);

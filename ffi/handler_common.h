@@ -125,6 +125,15 @@ ffi::Error CheckDeviceAndLoad(const std::string& handler, const Kernel<Args>& ke
   return ffi::Error::Success();
 }
 
+// The device's SM count: persistent forward kernels launch at most one CTA per SM. A
+// device attribute, not a stream operation: safe inside a CUDA-graph capture.
+inline ffi::ErrorOr<int32_t> SmCount(const std::string& where, int32_t device) {
+  int sms = 0;
+  cudaError_t e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e != cudaSuccess) return CudaError(where + ": querying the SM count", e);
+  return static_cast<int32_t>(sms);
+}
+
 // TMA needs every global buffer 16-byte aligned.
 inline bool TmaAligned(std::initializer_list<const void*> buffers) {
   for (const void* ptr : buffers)

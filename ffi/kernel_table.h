@@ -44,6 +44,9 @@ struct FwdArgs {
   // is 1 and split_batch is batch.
   int32_t num_splits;
   int32_t split_batch;  // batch * num_splits
+  // The device's SM count: persistent kernels launch min(tiles, num_sms) CTAs that
+  // take tiles in turn; the others ignore it.
+  int32_t num_sms;
   // Paged kernels (kernels/sm90/paged.py): k, v are caches (num_pages, page_size,
   // heads_kv, head_dim / head_dim_v), and key j of batch b is slot j % page_size of page
   // page_table[b, j / page_size]; seqlen_k is max_pages * page_size. Others ignore these.

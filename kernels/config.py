@@ -36,23 +36,28 @@ class Tile:
     softmax runs under the other's MMA; off, they issue as soon as their operands are in.
     `rescale_threshold`: FlashAttention-4's conditional rescaling (kernels/sm90/softmax.py):
     a row's max moves only when it grows by more than this many log2 units; None rescales
-    on every growth."""
+    on every growth. `persistent`: min(tiles, SMs) CTAs take the tiles in turn (not
+    split variants), so a tile's Q load and first K/V blocks overlap the previous
+    tile's last blocks and epilogue; `q_stages` Q buffers let the next Q land while
+    the current tile runs (2 where shared memory allows)."""
 
     m: int
     n: int
     kv_stages: int
     pingpong: bool = True
     rescale_threshold: float | None = None
+    persistent: bool = False
+    q_stages: int = 1
 
     @property
     def consumers(self) -> int:
         return self.m // 64
 
 
-# Tiles per (head_dim, banded). Shared memory (bf16) is Q m*D + (K + V) n*D*stages of the
-# 227 KB a CTA can use: d64 24/16 + 64 KB; d96 24 + 96 KB (the d128 tiles, not yet
-# tuned); d128 32 + 128 KB; d256 64 + 160 KB (n = 80 because K and V blocks of 128 keys
-# would not fit twice).
+# Tiles per (head_dim, banded). Shared memory (bf16) is Q m*D*q_stages + (K + V)
+# n*D*kv_stages of the 227 KB a CTA can use: d64 2 x 24 (non-causal) or 16 + 64 KB; d96
+# 2 x 24 or 24 + 96 KB (the d128 tiles, not yet tuned); d128 2 x 32 or 32 + 128 KB; d256
+# 64 + 160 KB (n = 80 because K and V blocks of 128 keys would not fit twice).
 # d64 (H100, bench, CUPTI time): 3 consumers (m=192) vs 2 (m=128), TFLOP/s at s=1k/8k:
 #   non-causal 333/557 vs 323/457; causal 165/437 vs 235/458. Short causal tiles skip
 #   too little work per CTA at m=192.
@@ -71,13 +76,22 @@ class Tile:
 #   causal 0.95-1.02 / 1.00; d128 0.93 / 0.91-0.92, causal 0.93-0.98 / 0.92. k = 3:
 #   0.84-0.97. Not kept: an emulated exp2 issues about 9 instructions (Hopper has no
 #   packed fp32 FMA), which cost more issue slots than the MUFU time they save.
+# Persistent (Q double-buffered where it fits: d64, d96, d128) / one CTA per tile, static
+#   round-robin order (H100, 2026-11-25, alternated twice in one call), speed ratio at 512
+#   / 2k / 16k: d64 1.13 / 1.05 / 1.03-1.05, d128 1.15 / 1.05-1.06 / 1.01-1.03, d256
+#   (one Q buffer) 1.01 / 1.01 / 0.99-1.01; causal 0.88-0.90 / 0.95-0.96 / 0.94-0.96 at d64,
+#   0.72 / 0.93 / 0.65 at d128, 0.67 / 0.92 / 0.59 at d256 (a static order cannot balance
+#   tiles of unequal length). Kept for non-causal d64 and d128, and d96 with d128's tile
+#   (not measured).
 _RESCALE = 8.0
 _TILES = {
-    (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE),
+    (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
+                      persistent=True, q_stages=2),
     (64, True): Tile(m=128, n=128, kv_stages=2),
-    (96, False): Tile(m=128, n=128, kv_stages=2),
+    (96, False): Tile(m=128, n=128, kv_stages=2, persistent=True, q_stages=2),
     (96, True): Tile(m=128, n=128, kv_stages=2),
-    (128, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE),
+    (128, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE,
+                      persistent=True, q_stages=2),
     (128, True): Tile(m=128, n=128, kv_stages=2),
     (256, False): Tile(m=128, n=80, kv_stages=2),
     (256, True): Tile(m=128, n=80, kv_stages=2),

@@ -130,7 +130,7 @@ def tensors(cfg) -> tuple[Param, ...]:
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
 SCALARS = {
     "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi"),
-            ("float", "softcap_scale"), ("int32_t", "num_splits")),
+            ("float", "softcap_scale"), ("int32_t", "num_splits"), ("int32_t", "num_sms")),
     "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic"),
             ("int32_t", "band_lo"), ("int32_t", "band_hi"), ("float", "softcap_scale")),
 }
@@ -192,7 +192,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     t0 = time.time()
     if cfg.kind == "fwd":
         kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0),
-                                         Int32(1))
+                                         Int32(1), Int32(1))
     else:
         from kernels.sm90.bwd import BwdSm90
         from kernels.sm90.bwd_split import BwdSm90SplitD

@@ -22,11 +22,16 @@ Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major. B, Sq, Sk, H and num_
 are runtime values, and so are the band's lo and hi and the softcap; dtype, D, banded, softcap and segments are
 compiled in (kernels/config.py).
 
-One CTA per (tile of tile_m query rows, head, batch), and per split in split variants;
-banded grids run the longest tiles first. Warpgroup roles:
-  0      producer: warp 0 issues TMA for this tile's Q once, then K and V blocks into
-         two kv_stages-deep rings (separate pipelines, so S = Q K^T can start before
-         V has landed); the other warps idle with few registers.
+Tiles are (tile of tile_m query rows, head, batch), and per split in split variants;
+banded grids run the longest tiles first. One CTA per tile, or with the tile config's
+`persistent` (not split variants) min(tiles, SMs) CTAs that take the tiles in turn
+(Schedule): each role loops over the CTA's tiles, and the Q, K and V rings run on
+across them, so the next tile's loads overlap this tile's last blocks and epilogue.
+Warpgroup roles:
+  0      producer: warp 0 issues TMA for each tile's Q into a q_stages-deep ring, then
+         its K and V blocks into two kv_stages-deep rings (separate pipelines, so
+         S = Q K^T can start before V has landed); the other warps idle with few
+         registers.
   1..C   consumers, 64 query rows each. Key blocks are visited last to first. Each step
          issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back (wgmma, P from
          registers), then runs the online softmax of S_j while the PV product is still
@@ -35,10 +40,11 @@ banded grids run the longest tiles first. Warpgroup roles:
          other's MMA.
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
-         Split variants store their fp32 O from registers, rows past Sq skipped.
-The roles get what they share in four holders built once in `kernel`, as in bwd.py:
-Gmem (TMA atoms and tensors, mLSE), Scalars (the launch's runtime values), Walk (this
-CTA's query tile, head, batch and key blocks) and Smem (the shared-memory views).
+         Split variants store their fp32 O from registers, rows past Sq skipped. The
+         Q stage is released once the store has read it.
+The roles get what they share in holders, as in bwd.py: Gmem (TMA atoms and tensors,
+mLSE), Scalars (the launch's runtime values) and Smem (the shared-memory views), built
+once in `kernel`, and per tile a Walk (its query tile, head, batch and key blocks).
 
 Build: kernels/export.py compiles and exports it ahead of time (no GPU needed).
 Test and time it through jax_fa4 on an H100: tests/gpu, bench/.
@@ -99,28 +105,52 @@ class Scalars:
         self.softcap_scale, self.seqlen_q, self.seqlen_k = softcap_scale, seqlen_q, seqlen_k
 
 
+class Schedule:
+    """The tiles one CTA computes (`count` of them), as (x, head, batch) of the launch
+    grid (x: query tile, times the split in split variants): `grid_tile`. One-tile
+    launches: the block index (stride None). Persistent launches (min(tiles, SMs)
+    CTAs): tiles first, first + stride, ... of the grid flattened with x fastest, so
+    neighbouring CTAs share a head's K and V in L2."""
+
+    def __init__(self, first, stride, count, extent_x, heads):
+        self.first, self.stride, self.count = first, stride, count
+        self.extent_x, self.heads = extent_x, heads
+
+
+def grid_tile(schedule: Schedule, i):
+    """Tile i of the schedule: (x, head, batch). A function rather than a method: the
+    DSL would carry an object whose methods a branch calls as a runtime value."""
+    if schedule.stride is None:
+        return schedule.first
+    t = schedule.first + i * schedule.stride
+    rest = t // schedule.extent_x
+    return t - rest * schedule.extent_x, rest % schedule.heads, rest // schedule.heads
+
+
 class Walk:
-    """Which tiles this CTA computes, for all its roles: query tile m_block of `head` in
+    """Which tile a CTA computes, for all its roles: query tile m_block of `head` in
     `batch`; its key blocks [n_begin, n_end), visited from the last down, of which the
     last masked_end and the first masked_begin need element masking
     (mask.kv_block_range; split variants: this split's run of them), or in segment
     variants the visits 0 .. n_end - 1 of its plan; seg, the segment views
-    (segments.Views; None in other variants)."""
+    (segments.Views; None in other variants); out_batch, the batch of out and lse it
+    writes (split variants: this split's); cache, paged variants' paged.Cache."""
 
-    def __init__(self, m_block, head, batch, n_begin, n_end, masked_end, masked_begin, seg):
+    def __init__(self, m_block, head, batch, n_begin, n_end, masked_end, masked_begin, seg,
+                 out_batch, cache):
         self.m_block, self.head, self.batch = m_block, head, batch
         self.n_begin, self.n_end = n_begin, n_end
         self.masked_end, self.masked_begin = masked_end, masked_begin
-        self.seg = seg
+        self.seg, self.out_batch, self.cache = seg, out_batch, cache
 
 
 class Smem:
-    """This CTA's shared memory: sQ (CONSUMER_ROWS, D, consumers), the K and V rings sK
-    (tile_n, D, kv_stages), sV (Dv, tile_n, kv_stages), and q_full, the barrier of the
-    Q load."""
+    """This CTA's shared memory: the Q ring sQ (CONSUMER_ROWS, D, q_stages * consumers),
+    stage s of consumer c at s * consumers + c, and the K and V rings sK (tile_n, D,
+    kv_stages), sV (Dv, tile_n, kv_stages)."""
 
-    def __init__(self, sQ, sK, sV, q_full):
-        self.sQ, self.sK, self.sV, self.q_full = sQ, sK, sV, q_full
+    def __init__(self, sQ, sK, sV):
+        self.sQ, self.sK, self.sV = sQ, sK, sV
 
 
 class FwdSm90:
@@ -136,6 +166,9 @@ class FwdSm90:
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
+        # Split variants run few tiles: they keep one CTA per tile.
+        self.persistent = cfg.tile.persistent and not cfg.split
+        self.q_stages = cfg.tile.q_stages if self.persistent else 1
         self.consumers = cfg.tile.consumers
         self.pingpong = cfg.tile.pingpong
         self.rescale_threshold = cfg.tile.rescale_threshold
@@ -159,11 +192,13 @@ class FwdSm90:
         band_hi: Int32,
         softcap_scale: Float32,
         num_splits: Int32,
+        num_sms: Int32,
         stream: cuda.CUstream,
     ):
         """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI);
         mPages: paged variants only, and then mK, mV are the caches (paged.py).
-        num_splits: split variants only (others are launched with 1 and ignore it)."""
+        num_splits: split variants only (others are launched with 1 and ignore it).
+        num_sms: the device's SM count, the most CTAs a persistent launch runs."""
         dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
@@ -172,7 +207,8 @@ class FwdSm90:
 
         qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
         pv_tiler = (CONSUMER_ROWS, dv, self.tile_n)
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.consumers)
+        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt,
+                                                  self.q_stages * self.consumers)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.kv_stages)
         sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, dt, self.kv_stages)
         if cutlass.const_expr(self.paged):
@@ -206,7 +242,7 @@ class FwdSm90:
 
         @cute.struct
         class Storage:
-            q_full: cute.struct.MemRange[Int64, 1]
+            q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
             k_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             v_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -216,6 +252,8 @@ class FwdSm90:
         self.storage = Storage
         splits = num_splits if cutlass.const_expr(self.split) else Int32(1)
         grid = (cute.ceil_div(q.shape[0], self.tile_m) * splits, q.shape[2], q.shape[3])
+        if cutlass.const_expr(self.persistent):
+            grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms), 1, 1)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             lse, mRows, mKeys, mPlan, mPages, scale_log2, band_lo, band_hi, softcap_scale, splits,
@@ -252,44 +290,84 @@ class FwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        bx, head, batch = cute.arch.block_idx()
-        m_block, split = bx, Int32(0)
-        grid_x, _, _ = cute.arch.grid_dim()
-        tiles = grid_x
-        if cutlass.const_expr(self.split):
-            m_block = bx // num_splits
-            split = bx - m_block * num_splits
-            tiles = grid_x // num_splits
-        if cutlass.const_expr(self.banded):
-            m_block = tiles - 1 - m_block  # longest-first: banded tiles grow with m_block
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
-        q_full = storage.q_full.data_ptr()
 
         if warp == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 if cutlass.const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_init(q_full, 1)
-        k_producer, k_consumer = self._kv_pipeline(storage.k_mbar.data_ptr(), self.k_bytes)
-        v_producer, v_consumer = self._kv_pipeline(storage.v_mbar.data_ptr(), self.v_bytes)
+        # Q is released once the consumer's O store has read its buffer (one release
+        # per consumer); K and V once per consumer warp.
+        q_producer, q_consumer = self._pipeline(storage.q_mbar.data_ptr(), self.q_stages,
+                                                self.q_bytes, self.consumers)
+        k_producer, k_consumer = self._pipeline(storage.k_mbar.data_ptr(), self.kv_stages,
+                                                self.k_bytes, 4 * self.consumers)
+        v_producer, v_consumer = self._pipeline(storage.v_mbar.data_ptr(), self.kv_stages,
+                                                self.v_bytes, 4 * self.consumers)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
+        if cutlass.const_expr(self.paged):
+            seqlen_k = mPages.shape[2] * tma_k.shape[0]
+        gmem = Gmem((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v),
+                    (tma_atom_o, tma_o), mLSE)
+        run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k)
+        smem = Smem(sQ, sK, sV)
+        segment_tensors = (mRows, mKeys, mPlan, mPages)
+        schedule = self._schedule(seqlen_q, tma_q.shape[2], tma_q.shape[3], num_splits)
+
+        if wg == 0:
+            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
+            if warp == 0:
+                for i in cutlass.range(schedule.count, unroll=1):
+                    walk = self._walk(grid_tile(schedule, i), run, gmem, segment_tensors, num_splits)
+                    q_producer, k_producer, v_producer = self.load(
+                        gmem, smem, walk, q_producer, k_producer, v_producer)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            for i in cutlass.range(schedule.count, unroll=1):
+                walk = self._walk(grid_tile(schedule, i), run, gmem, segment_tensors, num_splits)
+                q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
+                    gmem, run, walk, smem, q_consumer, k_consumer, v_consumer, wg - 1,
+                    tidx % WARPGROUP, warp)
+
+    def _schedule(self, seqlen_q: Int32, heads: Int32, batch: Int32, num_splits: Int32):
+        extent_x = cute.ceil_div(seqlen_q, self.tile_m)
+        if cutlass.const_expr(self.split):
+            extent_x = extent_x * num_splits
+        if cutlass.const_expr(self.persistent):
+            first, _, _ = cute.arch.block_idx()
+            stride, _, _ = cute.arch.grid_dim()
+            count = cute.ceil_div(extent_x * heads * batch - first, stride)
+            return Schedule(first, stride, count, extent_x, heads)
+        return Schedule(cute.arch.block_idx(), None, 1, None, None)
+
+    def _walk(self, tile, run: Scalars, gmem: Gmem, segment_tensors, num_splits: Int32) -> Walk:
+        """The Walk of grid tile (x, head, batch)."""
+        mRows, mKeys, mPlan, mPages = segment_tensors
+        tma_q, tma_k = gmem.q[1], gmem.k[1]
+        bx, head, batch = tile
+        m_block, split = bx, Int32(0)
+        tiles = cute.ceil_div(run.seqlen_q, self.tile_m)
+        if cutlass.const_expr(self.split):
+            m_block = bx // num_splits
+            split = bx - m_block * num_splits
+        if cutlass.const_expr(self.banded):
+            m_block = tiles - 1 - m_block  # longest-first: banded tiles grow with m_block
         cache = None
         if cutlass.const_expr(self.paged):
             # The cache's rows are pages; the batch's keys are its table's pages in turn.
             cache = paged.Cache(mPages[batch, 0, None], tma_k.shape[0], tma_k.shape[3],
                                 mask.kv_head(head, tma_q.shape[2], tma_k.shape[2]))
-            seqlen_k = mPages.shape[2] * tma_k.shape[0]
         n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
-            m_block, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n, self.banded
+            m_block, run.seqlen_k, run.band_lo, run.band_hi, self.tile_m, self.tile_n,
+            self.banded
         )
         seg = None
         if cutlass.const_expr(self.segments):
@@ -302,67 +380,54 @@ class FwdSm90:
                 # An empty split reads the row's first entry, which every row has.
                 plan_row = segments.skip_visits(plan_row, cutlass.select_(count > 0, first, Int32(0)))
             seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
-                                 plan_row, seqlen_q, count=count)
+                                 plan_row, run.seqlen_q, count=count)
             n_begin, n_end = Int32(0), seg.count
         elif cutlass.const_expr(self.split):
             first, end = band.split_visits(n_end - n_begin, split, num_splits, cutlass.min)
             n_begin, n_end, masked_end, masked_begin = band.split_blocks(
                 n_begin, n_end, masked_end, masked_begin, first, end, cutlass.min, cutlass.max)
+        out_batch = batch
+        if cutlass.const_expr(self.split):
+            out_batch = batch * num_splits + split
+        return Walk(m_block, head, batch, n_begin, n_end, masked_end, masked_begin, seg,
+                    out_batch, cache)
 
-        gmem = Gmem((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v),
-                    (tma_atom_o, tma_o), mLSE)
-        run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k)
-        walk = Walk(m_block, head, batch, n_begin, n_end, masked_end, masked_begin, seg)
-        smem = Smem(sQ, sK, sV, q_full)
-
-        if wg == 0:
-            cute.arch.setmaxregister_decrease(PRODUCER_REGS)
-            if warp == 0:
-                self.load(gmem, smem, walk, k_producer, v_producer, cache)
-        else:
-            cute.arch.setmaxregister_increase(self.consumer_regs)
-            out_batch = batch
-            if cutlass.const_expr(self.split):
-                out_batch = batch * num_splits + split
-            self.mma_softmax_epilogue(gmem, run, walk, smem, k_consumer, v_consumer,
-                                      wg - 1, tidx % WARPGROUP, warp, out_batch)
-
-    def _kv_pipeline(self, barriers, tx_bytes):
+    def _pipeline(self, barriers, stages, tx_bytes, releases):
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
-            num_stages=self.kv_stages,
+            num_stages=stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            # one release per consumer warp (PipelineTmaAsync signals from lane 0)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers),
+            # PipelineTmaAsync releases from lane 0 of each releasing warp
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releases),
             tx_count=tx_bytes,
             defer_sync=True,
         ).make_participants()
-
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load(self, gmem: Gmem, smem: Smem, walk: Walk, k_producer, v_producer, cache):
-        """Q of this tile once, then the key blocks of the walk, K one block ahead of V
-        (cache: paged variants' paged.Cache, else None)."""
+    def load(self, gmem: Gmem, smem: Smem, walk: Walk, q_producer, k_producer, v_producer):
+        """The walk's tile: its Q into the next Q stage (also for a tile without keys,
+        whose consumers stage their zero O there), then its key blocks, K one block ahead
+        of V; returns the advanced producers."""
         (tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v) = gmem.q, gmem.k, gmem.v
-        sQ, sK, sV, q_full = smem.sQ, smem.sK, smem.sV, smem.q_full
+        sQ, sK, sV = smem.sQ, smem.sK, smem.sV
         m_block, head, batch, seg = walk.m_block, walk.head, walk.batch, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
         d = self.head_dim
+        gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
+        q_handle = q_producer.acquire_and_advance()
+        for c in cutlass.range_constexpr(self.consumers):
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_atom_q, 0, cute.make_layout(1),
+                cute.group_modes(sQ[None, None, q_handle.index * self.consumers + c], 0, 2),
+                cute.group_modes(gQ, 0, 2),
+            )
+            cute.copy(
+                tma_atom_q, tQgQ[None, m_block * self.consumers + c], tQsQ,
+                tma_bar_ptr=q_handle.barrier,
+            )
         if n_end > n_begin:
-            gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(q_full, self.q_bytes)
-            for c in cutlass.range_constexpr(self.consumers):
-                tQsQ, tQgQ = cpasync.tma_partition(
-                    tma_atom_q, 0, cute.make_layout(1),
-                    cute.group_modes(sQ[None, None, c], 0, 2), cute.group_modes(gQ, 0, 2),
-                )
-                cute.copy(
-                    tma_atom_q, tQgQ[None, m_block * self.consumers + c], tQsQ,
-                    tma_bar_ptr=q_full,
-                )
             load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
-                                              head, batch, tma_q.shape[2], cache)
+                                              head, batch, tma_q.shape[2], walk.cache)
             # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
             # K runs one block ahead of V.
             visits = n_end - n_begin
@@ -374,6 +439,7 @@ class FwdSm90:
                 k_producer = load_k(k_producer, k_block)
                 v_producer = load_v(v_producer, v_block)
             v_producer = load_v(v_producer, k_block)
+        return q_producer, k_producer, v_producer
 
     def _kv_loaders(self, tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV, head, batch,
                     heads, cache):
@@ -441,19 +507,20 @@ class FwdSm90:
     # ------------------------------------------------------------------ consumers
     @cute.jit
     def mma_softmax_epilogue(self, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem,
-                             k_consumer, v_consumer, c: Int32, tidx: Int32, warp: Int32,
-                             out_batch: Int32):
+                             q_consumer, k_consumer, v_consumer, c: Int32, tidx: Int32,
+                             warp: Int32):
         """Consumer c: S = Q K^T, online softmax and O += P V over the walk's key blocks
         (the last visited block first; _step per block after it), then out and LSE to
-        batch `out_batch` (split variants: this split's)."""
+        the walk's out_batch; returns the advanced ring consumers."""
         (tma_atom_o, tma_o), mLSE = gmem.o, gmem.mLSE
-        sQ, sK, sV, q_full = smem.sQ, smem.sK, smem.sV, smem.q_full
-        m_block, head, seg = walk.m_block, walk.head, walk.seg
+        sQ, sK, sV = smem.sQ, smem.sK, smem.sV
+        m_block, head, seg, out_batch = walk.m_block, walk.head, walk.seg, walk.out_batch
         n_begin, n_end = walk.n_begin, walk.n_end
         masked_end, masked_begin = walk.masked_end, walk.masked_begin
         scale_log2, softcap_scale, seqlen_q = run.scale_log2, run.softcap_scale, run.seqlen_q
         dv, tile_n = self.head_dim_v, self.tile_n
-        sQc = sQ[None, None, c]
+        q_handle = q_consumer.wait_and_advance()
+        sQc = sQ[None, None, q_handle.index * self.consumers + c]
         # O is staged in this consumer's own Q buffer (Dv <= D: it fits), in O's layout.
         sOc = cute.make_tensor(sQc.iterator, self._o_smem_layout().outer)
         pv_mma = self._pv_mma()
@@ -481,7 +548,6 @@ class FwdSm90:
         if n_end > n_begin:
             if c == self.consumers - 1:
                 self._pass_turn(c)  # consumer 0 issues first
-            cute.arch.mbarrier_wait(q_full, 0)
 
             # First visited block: S and softmax only; its PV runs in the next step.
             n_last, first_masked = self._first_block(n_end, seg)
@@ -532,6 +598,13 @@ class FwdSm90:
             tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sOc,
             c, tidx, warp, m_block, row0, head, out_batch, seqlen_q,
         )
+        # The Q stage is free once every warp of this consumer is past its last read:
+        # the O store's (its issuing warp waited for it), or split variants' last wgmma.
+        if cutlass.const_expr(self.split):
+            pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
+        if warp % 4 == 0:
+            q_handle.release()
+        return q_consumer, k_consumer, v_consumer
 
     @cute.jit
     def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, masked: Int32, tiles,
