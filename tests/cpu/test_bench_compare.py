@@ -1,8 +1,10 @@
 """bench.compare: old / new per cell over both repetitions of bench/ab.sh."""
 
+import importlib
 import json
+import pathlib
 
-from bench import compare
+REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _write(path, ms):
@@ -11,7 +13,10 @@ def _write(path, ms):
     path.write_text("".join(json.dumps(r) + "\n" for r in cells))
 
 
-def test_speedups_per_cell_and_group(tmp_path, capsys):
+def test_speedups_per_cell_and_group(tmp_path, capsys, monkeypatch):
+    # From the checkout, like bench.plot's test (the tests import the installed jax_fa4).
+    monkeypatch.syspath_prepend(str(REPO))
+    compare = importlib.import_module("bench.compare")
     _write(tmp_path / "base-1.jsonl", (1.0, 2.0))
     _write(tmp_path / "base-2.jsonl", (1.0, 2.0))
     _write(tmp_path / "new-1.jsonl", (0.5, 2.5))
