@@ -66,7 +66,7 @@ from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import BwdConfig
-from kernels.sm90 import mask, segments, softcap, wgmma
+from kernels.sm90 import mask, schedule, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 
 WARPGROUP = 128
@@ -184,6 +184,7 @@ class BwdSm90:
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.q_stages = cfg.tile.q_stages
+        self.l2_groups = cfg.tile.l2_groups
         self.consumers = cfg.tile.consumers
         assert self.tile_n == KEYS_PER_CONSUMER * self.consumers or cfg.tile.split_head_dim
         self.threads = WARPGROUP * (1 + self.consumers)
@@ -469,7 +470,8 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, kv_head, batch = self._block_coords(deterministic)
+        n_block, kv_head, batch = self._block_coords(deterministic, tma_q.shape[0],
+                                                     tma_q.shape[2])
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -667,10 +669,10 @@ class BwdSm90:
         return m
 
     @cute.jit
-    def _block_coords(self, deterministic: Int32):
+    def _block_coords(self, deterministic: Int32, seqlen_q: Int32, heads: Int32):
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
-        n_block, kv_head = x, y
+        n_block, kv_head, batch = x, y, z
         if cutlass.const_expr(self.banded):
             if deterministic != 0:
                 # Banded adds run from the last key block down (mask.dq_turn): launch
@@ -679,7 +681,15 @@ class BwdSm90:
                 n_block = n_blocks - 1 - x
             else:
                 n_block, kv_head = y, x
-        return n_block, kv_head, z
+                if cutlass.const_expr(self.l2_groups):
+                    heads_kv, n_blocks, batches = cute.arch.grid_dim()
+                    grid = schedule.Grid(n_blocks, heads_kv, batches)
+                    # A K/V head's CTAs all read its query heads' Q and dO rows.
+                    row_bytes = (2 * (self.head_dim + self.head_dim_v)) * (heads // heads_kv)
+                    group = schedule.pairs_per_group(grid, seqlen_q, row_bytes)
+                    n_block, kv_head, batch = schedule.in_l2_groups(
+                        grid, group, x + heads_kv * (y + n_blocks * z))
+        return n_block, kv_head, batch
 
     @cute.jit
     def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32):
