@@ -21,10 +21,12 @@ FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
 
 
-def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None):
+def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
-    lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of `_segment_plan` for the
-    segment kernels, from which the plan for the forward's tiles is made here. With
+    lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of
+    `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
+    is made here; with `rows_per_position` g (pack-GQA), each of the rows stands for g
+    consecutive rows of q, and the kernel gets them repeated. With
     spec.num_splits > 1 the kernel writes fp32 partials per split (after the batch),
     combined here (`_split_kv`). With spec.paged, k (P, page_size, Hkv, D) and v are
     caches and `pages` (B, max_pages) int32 their table (`_paged`)."""
@@ -42,7 +44,7 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None):
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
-    extra = _segment_operands(segments, fwd_kernel(spec), plan) + (
+    extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
         (pages,) if spec.paged else ())
     out, lse, _counter = call(q, k, v, *extra, **spec.ffi_attributes())
     if splits:
@@ -50,13 +52,17 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None):
     return vary_like((q, k, v), (out, lse))
 
 
-def _segment_operands(segments, kernel, make_plan):
-    """The segment kernels' extra operands: rows, keys and the plan for `kernel`'s
-    tiles; none without segments."""
+def _segment_operands(segments, kernel, make_plan, rows_per_position=1):
+    """The segment kernels' extra operands: rows (each repeated rows_per_position
+    times), keys and the plan for `kernel`'s tiles, made from the rows before their
+    repetition; none without segments."""
     if not segments:
         return ()
     rows, keys = segments
-    return rows, keys, make_plan(rows, keys, kernel["tile_m"], kernel["tile_n"])
+    plan = make_plan(rows, keys, kernel["tile_m"], kernel["tile_n"], repeat=rows_per_position)
+    if rows_per_position > 1:
+        rows = jnp.repeat(rows, rows_per_position, axis=-1)
+    return rows, keys, plan
 
 
 def _check_backward_sizes(kernel, sq, sq_pad, sk, head_dim) -> None:
@@ -74,9 +80,10 @@ def _check_backward_sizes(kernel, sq, sq_pad, sk, head_dim) -> None:
             f"2^31; got Sk {sk}, Sq {sq}, D {head_dim}")
 
 
-def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
+def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec, rows_per_position=1):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv), out, dout (B, Sq, H, Dv),
-    lse/dlse (B, H, Sq) fp32 -> dq, dk, dv like q, k, v. Needs `bwd_kernel(spec)`. `segments` as for `fwd`.
+    lse/dlse (B, H, Sq) fp32 -> dq, dk, dv like q, k, v. Needs `bwd_kernel(spec)`.
+    `segments` and `rows_per_position` as for `fwd`.
 
     The kernel's workspaces are extra results: XLA allocates them (so they take part in
     its buffer assignment and in command buffers) and the kernel initializes them. Their
@@ -102,7 +109,8 @@ def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec):
         rows(tiles * kernel["dq_parts"], jnp.int32),  # sem: deterministic mode's turn counters
     )
     call = jax.ffi.ffi_call(BWD_TARGET, results, vmap_method="broadcast_all")
-    extra = _segment_operands(segments, kernel, _segment_plan.backward_plan)
+    extra = _segment_operands(segments, kernel, _segment_plan.backward_plan,
+                              rows_per_position)
     dq, dk, dv, *_workspaces = call(q, k, v, out, dout, lse, dlse, *extra,
                                     **spec.bwd_ffi_attributes())
     return vary_like((q, k, v, out, dout, lse, dlse), (dq, dk, dv))

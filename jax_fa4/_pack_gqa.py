@@ -8,13 +8,12 @@ and K/V are read once per group. The kernels see a call with Hq = Hkv.
 
 Row positions change under packing, so a band (causal, window) comes in per-row key
 ranges: the segment kernel variant (`AttentionSpec.segment_kernel`), with each row's
-range and id repeated g times. Everything here runs on each device's shard (under a
+range and id repeated g times (by _ffi_calls, which makes the tile plan from the rows
+before repeating them: one row per position). Everything here runs on each device's shard (under a
 ring, on each chunk pair with its band), so the sharding rules see the unpacked call.
 """
 
 from __future__ import annotations
-
-import jax.numpy as jnp
 
 from jax_fa4 import _ffi_calls, _segment_plan
 
@@ -57,20 +56,20 @@ def _lse_unrows(x, g):
 
 
 def _segments(segments, spec, q, k):
-    """The packed call's (rows, keys): the caller's, or the band's on this shard."""
+    """The packed call's (rows, keys), one row per position (the FFI calls repeat each
+    for its group's heads): the caller's, or the band's on this shard."""
     if not spec.segment_kernel:
         return ()
     if not segments:
         segments = _segment_plan.padded_rows(spec, q.shape[1], k.shape[1], batch=q.shape[0])
-    rows, keys = segments
-    return jnp.repeat(rows, spec.group_size, axis=-1), keys
+    return segments
 
 
 def fwd(q, k, v, *segments, spec, pages=None):
     """_ffi_calls.fwd on the packed problem."""
     g = spec.group_size
     out, lse = _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
-                              spec=spec, pages=pages)
+                              spec=spec, pages=pages, rows_per_position=g)
     return _unrows(out, g), _lse_unrows(lse, g)
 
 
@@ -79,5 +78,6 @@ def bwd(q, k, v, out, dout, lse, dlse, *segments, spec):
     g = spec.group_size
     dq, dk, dv = _ffi_calls.bwd(_rows(q, g), k, v, _rows(out, g), _rows(dout, g),
                                 _lse_rows(lse, g), _lse_rows(dlse, g),
-                                *_segments(segments, spec, q, k), spec=spec)
+                                *_segments(segments, spec, q, k), spec=spec,
+                                rows_per_position=g)
     return _unrows(dq, g), dk, dv

@@ -93,16 +93,28 @@ def visibility(rows, keys):
     return (begin <= j) & (j < end) & (ids == keys[..., None, :])
 
 
-def _tile_summaries(rows, tile_m):
+def _tile_summaries(rows, tile_m, repeat=1):
     """Per query tile (B, tiles): the union of its rows' key ranges [lo, hi) and their
     ids' range (over rows that see something), and the keys every row sees,
-    [max begin, min end). Rows past Sq do not count."""
+    [max begin, min end). Rows past Sq do not count. With `repeat`, each row of `rows`
+    stands for that many consecutive kernel rows (pack-GQA's query heads of one
+    position): a tile then holds tile_m / repeat of them when repeat divides tile_m,
+    so the summaries need no repeated copy (and a decode step's single position none
+    of the reductions)."""
+    if repeat > 1:
+        if tile_m % repeat:
+            rows = jnp.repeat(rows, repeat, axis=-1)
+        else:
+            tile_m //= repeat
     b, _, sq = rows.shape
     tiles = -(-sq // tile_m)
-    pad = tiles * tile_m - sq
+    # One tile takes the rows there are, unpadded: a decode step's single row then
+    # reduces over an axis of 1, which XLA drops.
+    width = tile_m if tiles > 1 else sq
+    pad = tiles * width - sq
 
     def tiled(x, fill):
-        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(b, tiles, tile_m)
+        return jnp.pad(x, ((0, 0), (0, pad)), constant_values=fill).reshape(b, tiles, width)
 
     begin, end, ids = rows[:, 0], rows[:, 1], rows[:, 2]
     sees = end > begin
@@ -128,9 +140,9 @@ def _block_summaries(keys, tile_n):
     return tiled(_ID_MAX).min(-1), tiled(_ID_MIN).max(-1), ((n + 1) * tile_n <= sk)[None, :]
 
 
-def _visits(rows, keys, tile_m, tile_n):
+def _visits(rows, keys, tile_m, tile_n, repeat):
     """(visit, masked), bool (B, query tiles, key blocks)."""
-    tiles = _tile_summaries(rows, tile_m)
+    tiles = _tile_summaries(rows, tile_m, repeat)
     lo, hi, q_lo, q_hi, all_begin, all_end = (x[:, :, None] for x in tiles)
     k_lo, k_hi, whole_block = (x[:, None, :] for x in _block_summaries(keys, tile_n))
     start = jnp.arange(k_lo.shape[-1], dtype=jnp.int32) * tile_n
@@ -141,14 +153,16 @@ def _visits(rows, keys, tile_m, tile_n):
     return visit, visit & ~whole
 
 
-def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = False):
+def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = False,
+                 repeat: int = 1):
     """(B, query tiles, 1 + key blocks) int32: per query tile, the count of key blocks it
     visits, then (block << 1) | masked for each, from the last block to the first.
     `one_segment`: every row and key has id 0 (no segment ids, no varlen), the same plan
-    in fewer steps (`_one_segment_forward_plan`)."""
+    in fewer steps (`_one_segment_forward_plan`). `repeat`: each row stands for that
+    many kernel rows (`_tile_summaries`)."""
     if one_segment:
-        return _one_segment_forward_plan(rows, keys.shape[-1], tile_m, tile_n)
-    visit, masked = _visits(rows, keys, tile_m, tile_n)
+        return _one_segment_forward_plan(rows, keys.shape[-1], tile_m, tile_n, repeat)
+    visit, masked = _visits(rows, keys, tile_m, tile_n, repeat)
     n = jnp.arange(visit.shape[-1], dtype=jnp.int32)
     code = jnp.where(visit, n * 2 + masked, -1)
     order = -jnp.sort(-code, axis=-1)  # descending; unvisited (-1) last
@@ -156,12 +170,13 @@ def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = Fa
     return jnp.concatenate([count[..., None], order], axis=-1)
 
 
-def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int):
+def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int, repeat: int):
     """forward_plan when all ids are 0: a tile visits the blocks its rows' key ranges
     span, a run [first, last] listed from last, and masks those that some row sees only
     in part (or that hold the Sk tail). No sort and no id reductions: a decode step with
     lengths spends its time in the kernel rather than here."""
-    lo, hi, _, _, all_begin, all_end = (x[..., None] for x in _tile_summaries(rows, tile_m))
+    lo, hi, _, _, all_begin, all_end = (x[..., None]
+                                        for x in _tile_summaries(rows, tile_m, repeat))
     blocks = -(-sk // tile_n)
     i = jnp.arange(blocks, dtype=jnp.int32)
     last = (hi + tile_n - 1) // tile_n - 1  # lo < hi when the tile sees a key
@@ -173,11 +188,12 @@ def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int):
     return jnp.concatenate([count, code], axis=-1).astype(jnp.int32)
 
 
-def backward_plan(rows, keys, tile_m: int, tile_n: int):
+def backward_plan(rows, keys, tile_m: int, tile_n: int, *, repeat: int = 1):
     """(B, key blocks, 1 + 2 * query tiles) int32: per key block, the count of query
     tiles it visits, (tile << 1) | masked for each in ascending order, then each visit's
-    deterministic dQ turn: how many higher key blocks visit the same tile."""
-    visit, masked = _visits(rows, keys, tile_m, tile_n)  # (B, tiles, blocks)
+    deterministic dQ turn: how many higher key blocks visit the same tile. `repeat` as
+    for forward_plan."""
+    visit, masked = _visits(rows, keys, tile_m, tile_n, repeat)  # (B, tiles, blocks)
     tiles = visit.shape[1]
     m = jnp.arange(tiles, dtype=jnp.int32)[:, None]
     code = jnp.where(visit, m * 2 + masked, _ID_MAX)

@@ -206,3 +206,25 @@ def test_one_segment_forward_plan_is_the_plan(seed):
     np.testing.assert_array_equal(
         _segment_plan.forward_plan(rows, keys, tile_m, tile_n, one_segment=True),
         _segment_plan.forward_plan(rows, keys, tile_m, tile_n))
+
+
+@pytest.mark.parametrize("seed", range(48))
+def test_plans_of_repeated_rows_need_no_repetition(seed):
+    """pack-GQA: the plans made from one row per position with `repeat` g equal those
+    of the rows repeated g times, forward (both forms) and backward, whether or not g
+    divides the tile."""
+    spec, b, sq, sk, arrays = _draw(seed)
+    tile_m, tile_n = TILES[seed % len(TILES)]
+    g = (2, 3, 4, 8, 16, 7)[seed % 6]
+    if seed % 2:
+        arrays.update(q_segment_ids=None, kv_segment_ids=None)
+    rows, keys = _segment_plan.padded_rows(spec, sq, sk, batch=b, **arrays)
+    repeated = jnp.repeat(rows, g, axis=-1)
+    for plan, kwargs in ((_segment_plan.forward_plan, {}),
+                         (_segment_plan.forward_plan, {"one_segment": True}),
+                         (_segment_plan.backward_plan, {})):
+        if kwargs and not seed % 2:
+            continue  # the short form needs one segment
+        np.testing.assert_array_equal(
+            plan(rows, keys, tile_m, tile_n, repeat=g, **kwargs),
+            plan(repeated, keys, tile_m, tile_n, **kwargs))
