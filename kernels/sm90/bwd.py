@@ -185,6 +185,7 @@ class BwdSm90:
         self.tile_n = cfg.tile.n
         self.q_stages = cfg.tile.q_stages
         self.l2_groups = cfg.tile.l2_groups
+        self.pdl = cfg.tile.pdl
         self.consumers = cfg.tile.consumers
         assert self.tile_n == KEYS_PER_CONSUMER * self.consumers or cfg.tile.split_head_dim
         self.threads = WARPGROUP * (1 + self.consumers)
@@ -232,7 +233,7 @@ class BwdSm90:
         )
         self.postprocess(mdQaccum, mdQ, scale).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
-            stream=stream,
+            stream=stream, use_pdl=self.pdl,
         )
 
     # ------------------------------------------------------------------ preprocess
@@ -252,6 +253,9 @@ class BwdSm90:
         two for the shuffle reduction; the extra lanes add 0), 8 head dims (16 bytes of O
         and of dO) each, so a warp reads whole rows; then the tile's dQ accumulator is
         zeroed 16 bytes per thread, a warp writing 512 contiguous bytes."""
+        if cutlass.const_expr(self.pdl):
+            # The main kernel may start launching: it waits for this grid's results.
+            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mO.shape[1]
@@ -300,6 +304,8 @@ class BwdSm90:
         accumulator is read in quads (one thread per (consumer, thread) of the main
         kernel's dQ fragment) into a (tile_m, D) tile; the tile is written 16 bytes per
         thread, whole rows per warp."""
+        if cutlass.const_expr(self.pdl):
+            cute.arch.griddepcontrol_wait()  # the main kernel's dQ accumulator
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
@@ -398,7 +404,8 @@ class BwdSm90:
             tma_atom_dv, tma_dv, mdQaccum, mSem, mRows, mKeys, mPlan, scale_log2, scale,
             deterministic, band_lo, band_hi, softcap_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 use_pdl=self.pdl)
 
     def _k_major_layout(self, rows: int, cols: int, stages: int, parts: int):
         """(rows, cols, stages) 16-bit shared memory, cols contiguous, with the widest
@@ -494,6 +501,11 @@ class BwdSm90:
         do_producer, do_consumer = self._ring(storage.do_mbar.data_ptr(), self.do_bytes)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if cutlass.const_expr(self.pdl):
+            # The preprocess's LSE2, Dsum, zeroed accumulator and semaphores; then the
+            # postprocess may start launching (it waits for this grid in turn).
+            cute.arch.griddepcontrol_wait()
+            cute.arch.griddepcontrol_launch_dependents()
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
