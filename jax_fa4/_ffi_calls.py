@@ -21,7 +21,8 @@ FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
 
 
-def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1):
+def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1,
+        unpack=None):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of
     `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
@@ -29,7 +30,9 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     consecutive rows of q, and the kernel gets them repeated. With
     spec.num_splits > 1 the kernel writes fp32 partials per split (after the batch),
     combined here (`_split_kv`). With spec.paged, k (P, page_size, Hkv, D) and v are
-    caches and `pages` (B, max_pages) int32 their table (`_paged`)."""
+    caches and `pages` (B, max_pages) int32 their table (`_paged`). `unpack(out, lse)`
+    maps the kernel's layout to the caller's (pack-GQA), before the combine: it acts
+    on the last three axes of out and two of lse."""
     *lead, sq, heads, _ = q.shape
     splits = (spec.num_splits,) if spec.num_splits > 1 else ()
     results = (
@@ -47,6 +50,8 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
         (pages,) if spec.paged else ())
     out, lse, _counter = call(q, k, v, *extra, **spec.ffi_attributes())
+    if unpack is not None:
+        out, lse = unpack(out, lse)
     if splits:
         out, lse = _split_kv.combine(out, lse, q.dtype)
     return vary_like((q, k, v), (out, lse))

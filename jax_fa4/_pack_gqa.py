@@ -15,6 +15,8 @@ ring, on each chunk pair with its band), so the sharding rules see the unpacked 
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jax_fa4 import _ffi_calls, _segment_plan
 
 
@@ -37,9 +39,11 @@ def _rows(x, g):
 
 
 def _unrows(x, g):
-    b, rows, heads_kv, d = x.shape
-    x = x.reshape(b, rows // g, g, heads_kv, d).transpose(0, 1, 3, 2, 4)
-    return x.reshape(b, rows // g, heads_kv * g, d)
+    """_rows' inverse, on the last three axes (split-KV partials have one more)."""
+    *lead, rows, heads_kv, d = x.shape
+    x = x.reshape(*lead, rows // g, g, heads_kv, d)
+    x = jnp.swapaxes(x, -3, -2)
+    return x.reshape(*lead, rows // g, heads_kv * g, d)
 
 
 def _lse_rows(x, g):
@@ -50,9 +54,10 @@ def _lse_rows(x, g):
 
 
 def _lse_unrows(x, g):
-    b, heads_kv, rows = x.shape
-    x = x.reshape(b, heads_kv, rows // g, g).transpose(0, 1, 3, 2)
-    return x.reshape(b, heads_kv * g, rows // g)
+    """_lse_rows' inverse, on the last two axes."""
+    *lead, heads_kv, rows = x.shape
+    x = jnp.swapaxes(x.reshape(*lead, heads_kv, rows // g, g), -2, -1)
+    return x.reshape(*lead, heads_kv * g, rows // g)
 
 
 def _segments(segments, spec, q, k):
@@ -68,9 +73,10 @@ def _segments(segments, spec, q, k):
 def fwd(q, k, v, *segments, spec, pages=None):
     """_ffi_calls.fwd on the packed problem."""
     g = spec.group_size
-    out, lse = _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
-                              spec=spec, pages=pages, rows_per_position=g)
-    return _unrows(out, g), _lse_unrows(lse, g)
+    # Unpacked before split-KV's combine, so that the transposes feed its reduction.
+    return _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
+                          spec=spec, pages=pages, rows_per_position=g,
+                          unpack=lambda out, lse: (_unrows(out, g), _lse_unrows(lse, g)))
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec):
