@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Old vs new build, alternated twice in one process-per-run GPU session (machines are
 # noisy: only ratios within one session count). Each build is a folder holding a
-# native module (_ffi.abi3.so, e.g. unzipped from a wheel); the Python side is this
-# checkout's. Then `python -m bench.compare` prints new / old per cell.
+# native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of bench/variant.sh); the Python
+# side is this checkout's. Then `python -m bench.compare` prints new / old per cell.
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #
@@ -18,7 +18,9 @@ cp jax_fa4/_ffi.abi3.so "$keep" 2>/dev/null || true
 for rep in 1 2; do
   for build in $builds; do
     label=${build%%=*}
-    cp "${build#*=}/_ffi.abi3.so" jax_fa4/_ffi.abi3.so
+    dir=${build#*=}
+    if [ ! -f "$dir/_ffi.abi3.so" ]; then gunzip -k "$dir/_ffi.abi3.so.gz"; fi
+    cp "$dir/_ffi.abi3.so" jax_fa4/_ffi.abi3.so
     echo "== $label rep $rep"
     python3 -m bench.run --backends jax_fa4 "$@" --out "$out/$label-$rep.jsonl" \
       > "$out/$label-$rep.txt" 2>&1 || { tail -n 20 "$out/$label-$rep.txt"; exit 1; }

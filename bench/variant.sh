@@ -2,11 +2,10 @@
 # Build a variant of this checkout for bench/ab.sh: copy the tree, apply a Python
 # snippet to kernels/config.py (the source text is `s`), build the wheel, and keep its
 # native module, gzipped (a carry to a GPU machine holds several), under
-# build/ab/NAME/_ffi.abi3.so.gz. ab.sh takes the unzipped module:
-#   gunzip -k build/ab/NAME/_ffi.abi3.so.gz
+# build/ab/NAME/_ffi.abi3.so.gz, which ab.sh unzips.
 #
 #   bash bench/variant.sh base ''
-#   bash bench/variant.sh dyn 's = s.replace("kv_stages=2),", "kv_stages=2, schedule=\"dynamic\"),")'
+#   bash bench/variant.sh pdl 's = s.replace("n=128, q_stages=2)", "n=128, q_stages=2, pdl=True)")'
 #
 # About 4 minutes on 2 idle cores (every kernel is compiled: config.py is part of the
 # kernel cache key). Needs a Python >= 3.12 with pip (PYTHON, default .venv/bin/python).
