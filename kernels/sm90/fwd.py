@@ -568,12 +568,11 @@ class FwdSm90:
         """Consumer c: S = Q K^T, online softmax and O += P V over the walk's key blocks
         (the last visited block first; _step per block after it), then out and LSE to
         the walk's out_batch; returns the advanced ring consumers."""
-        (tma_atom_o, tma_o), mLSE = gmem.o, gmem.mLSE
         sQ, sK, sV = smem.sQ, smem.sK, smem.sV
-        m_block, head, seg, out_batch = walk.m_block, walk.head, walk.seg, walk.out_batch
+        m_block, seg = walk.m_block, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
         masked_end, masked_begin = walk.masked_end, walk.masked_begin
-        scale_log2, softcap_scale, seqlen_q = run.scale_log2, run.softcap_scale, run.seqlen_q
+        scale_log2, softcap_scale = run.scale_log2, run.softcap_scale
         dv, tile_n = self.head_dim_v, self.tile_n
         q_handle = q_consumer.wait_and_advance()
         sQc = sQ[None, None, q_handle.index * self.consumers + c]
@@ -599,7 +598,8 @@ class FwdSm90:
         tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
         tiles = _Tiles(thr_qk=thr_qk, s_shape=s_shape, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV,
                        tOrP=tOrP, r_p=r_p, acc_o=acc_o, coord_s=coord_s, softmax=softmax,
-                       o_scale=o_scale, c=c, row0=row0)
+                       o_scale=o_scale, c=c, row0=row0, coord_o=coord_o,
+                       tiled_r2s=tiled_r2s, sOc=sOc)
 
         if n_end > n_begin:
             if c == self.consumers - 1:
@@ -650,10 +650,7 @@ class FwdSm90:
             if c == 0:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
-        self.epilogue(
-            tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sOc,
-            c, tidx, warp, m_block, row0, head, out_batch, seqlen_q,
-        )
+        self.epilogue(tiles, gmem, run, walk, tidx, warp)
         # The Q stage is free once every warp of this consumer is past its last read:
         # the O store's (its issuing warp waited for it), or split variants' last wgmma.
         if cutlass.const_expr(self.split):
@@ -694,35 +691,34 @@ class FwdSm90:
         return k_consumer, v_consumer
 
     @cute.jit
-    def epilogue(
-        self,
-        tiled_r2s, coord_o, acc_o, softmax, tma_atom_o, tma_o, mLSE, sOc,
-        c: Int32, tidx: Int32, warp: Int32, m_block: Int32, row0: Int32,
-        head: Int32, batch: Int32, seqlen_q: Int32,
-    ):
+    def epilogue(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32, warp: Int32):
+        """O / rowsum and LSE of the walk's tile, to its out_batch."""
+        acc_o, coord_o, row0 = tiles.acc_o, tiles.coord_o, tiles.row0
+        head, batch, mLSE = walk.head, walk.out_batch, gmem.mLSE
         inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
-        softmax.finalize(inv_sum, lse)
+        tiles.softmax.finalize(inv_sum, lse)
         self._rescale(acc_o, inv_sum)
 
         # LSE: the first thread of each quad owns its two rows.
         if tidx % 4 == 0:
             for r in cutlass.range_constexpr(ROWS_PER_THREAD):
                 row = row0 + coord_o[r, 0][0]
-                if row < seqlen_q:
+                if row < run.seqlen_q:
                     mLSE[row, head, batch] = lse[r]
 
         if cutlass.const_expr(self.split):
-            self._store_partial(acc_o, coord_o, tma_o, row0, head, batch, seqlen_q)
+            self._store_partial(tiles, gmem.o[1], run, walk)
         else:
-            self._store_o(tiled_r2s, acc_o, tma_atom_o, tma_o, sOc, c, tidx, warp, m_block,
-                          head, batch)
+            self._store_o(tiles, gmem.o, walk, tidx, warp)
 
     @cute.jit
-    def _store_o(self, tiled_r2s, acc_o, tma_atom_o, tma_o, sOc, c: Int32, tidx: Int32,
-                 warp: Int32, m_block: Int32, head: Int32, batch: Int32):
-        """O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA,
-        which clips the rows past Sq."""
+    def _store_o(self, tiles, o, walk: Walk, tidx: Int32, warp: Int32):
+        """O: registers -> this consumer's Q buffer (its wgmma reads are complete) -> TMA
+        (o: the atom and tensor), which clips the rows past Sq."""
+        tiled_r2s, acc_o, sOc, c = tiles.tiled_r2s, tiles.acc_o, tiles.sOc, tiles.c
+        tma_atom_o, tma_o = o
+        m_block, head, batch = walk.m_block, walk.head, walk.out_batch
         dv = self.head_dim_v
         r_o = cute.make_rmem_tensor_like(acc_o, self.dtype)
         r_o.store(acc_o.load().to(self.dtype))
@@ -743,14 +739,14 @@ class FwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _store_partial(self, acc_o, coord_o, mO, row0: Int32, head: Int32, batch: Int32,
-                       seqlen_q: Int32):
+    def _store_partial(self, tiles, mO, run: Scalars, walk: Walk):
         """A split's fp32 O straight from the accumulator into mO (Sq, Dv, H, B * splits),
         each thread its own elements; rows past Sq are skipped."""
-        acc_rc = rows_cols(acc_o)
+        coord_o, row0, head, batch = tiles.coord_o, tiles.row0, walk.head, walk.out_batch
+        acc_rc = rows_cols(tiles.acc_o)
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = row0 + coord_o[r, 0][0]
-            if row < seqlen_q:
+            if row < run.seqlen_q:
                 for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
                     mO[row, coord_o[r, col][1], head, batch] = acc_rc[r, col]
 
