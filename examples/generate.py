@@ -5,10 +5,11 @@ dense cache on jax.nn (cuDNN on a GPU, XLA on a CPU), the same weights and promp
     python examples/generate.py --preset gpu --batch 32 --page-size 64
     python examples/generate.py --preset cpu                 # seconds, both on XLA / reference
 
-Each step runs the prompt once (prefill: causal attention over the prompt, whose keys
-and values fill the cache), then one token per step for --new steps under one jit
-(`lax.fori_loop`): its keys and values are written into the cache at the sequence's
-length, and it attends to the cache. The paged model keeps every layer's K and V in a
+Each run prefills the prompt once (causal attention over the prompt's own keys and
+values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which also fill the cache),
+then decodes one token per step for --new steps under one jit (`lax.fori_loop`): its
+keys and values are written into the cache at the sequence's length, and it attends to
+the cache. The paged model keeps every layer's K and V in a
 pool of pages (num_pages, page_size, Hkv, D) that a page table maps sequences onto, in a
 shuffled order, and attends with `jax_fa4.paged_attention`; the dense model keeps (B,
 max_len, Hkv, D) per layer and attends with `jax.nn.dot_product_attention` and
@@ -95,8 +96,8 @@ def rope(x, positions, base=10000.0):
 
 def forward(cfg: Config, params, tokens, positions, caches, write, attend):
     """tokens (B, S) at positions (B, S) -> logits of the last token (B, vocab), caches
-    updated. write(cache, k, v) stores the new keys and values; attend(q, cache)
-    attends to the cache (the new tokens' keys included)."""
+    updated. write(cache, k, v) stores the new keys and values; attend(q, k, v, cache)
+    attends to the new tokens' keys (prefill) or to the cache, which holds them."""
     b, s = tokens.shape
     hd = cfg.head_dim
     x = params["embed"][tokens]
@@ -106,9 +107,10 @@ def forward(cfg: Config, params, tokens, positions, caches, write, attend):
                             [cfg.heads * hd, (cfg.heads + cfg.kv_heads) * hd], -1)
         q = rope(q.reshape(b, s, cfg.heads, hd), positions)
         k = rope(k.reshape(b, s, cfg.kv_heads, hd), positions)
-        cache = write(cache, k, v.reshape(b, s, cfg.kv_heads, hd))
+        v = v.reshape(b, s, cfg.kv_heads, hd)
+        cache = write(cache, k, v)
         updated.append(cache)
-        x = x + attend(q, cache).reshape(b, s, -1) @ layer["out"]
+        x = x + attend(q, k, v, cache).reshape(b, s, -1) @ layer["out"]
         x = x + jax.nn.gelu(rms(x) @ layer["up"]) @ layer["down"]
     return (rms(x[:, -1]) @ params["head"]).astype(jnp.float32), updated
 
@@ -129,12 +131,15 @@ class Dense:
             return jax.lax.dynamic_update_slice(c, x, (0, length, 0, 0))
         return put(cache[0], k), put(cache[1], v)
 
+    def prefill(self, q, k, v):
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                            implementation=self.implementation)
+
     def attend(self, length, q, cache):
-        """The prefill (from position 0, several queries) is causal, top-left as jax.nn
-        aligns it; a decode step's one query sees the whole cached length."""
+        """A decode step's query sees the whole cached length."""
         lengths = jnp.full((q.shape[0],), length + q.shape[1], jnp.int32)
         return jax.nn.dot_product_attention(
-            q, cache[0], cache[1], is_causal=q.shape[1] > 1, key_value_seq_lengths=lengths,
+            q, cache[0], cache[1], key_value_seq_lengths=lengths,
             implementation=self.implementation)
 
 
@@ -157,6 +162,9 @@ class Paged:
         slot = jnp.broadcast_to(positions % self.cfg.page_size, page.shape)
         return cache[0].at[page, slot].set(k), cache[1].at[page, slot].set(v)
 
+    def prefill(self, q, k, v):
+        return jax_fa4.attention(q, k, v, causal=True)
+
     def attend(self, length, q, cache):
         lengths = jnp.full((q.shape[0],), length + q.shape[1], jnp.int32)
         return jax_fa4.paged_attention(q, cache[0], cache[1], self.table, lengths)
@@ -167,7 +175,7 @@ def generate(cfg: Config, params, prompts, model):
     positions = jnp.broadcast_to(jnp.arange(cfg.prompt), prompts.shape)
     logits, caches = forward(
         cfg, params, prompts, positions, model.empty(),
-        lambda c, k, v: model.write(0, c, k, v), lambda q, c: model.attend(0, q, c))
+        lambda c, k, v: model.write(0, c, k, v), lambda q, k, v, c: model.prefill(q, k, v))
     first = jnp.argmax(logits, -1).astype(jnp.int32)
     out = jnp.zeros((cfg.batch, cfg.new), jnp.int32).at[:, 0].set(first)
 
@@ -179,7 +187,7 @@ def generate(cfg: Config, params, prompts, model):
         logits, caches = forward(
             cfg, params, token, position, caches,
             lambda c, k, v: model.write(length, c, k, v),
-            lambda q, c: model.attend(length, q, c))
+            lambda q, k, v, c: model.attend(length, q, c))
         return out.at[:, i].set(jnp.argmax(logits, -1).astype(jnp.int32)), caches
 
     return jax.lax.fori_loop(1, cfg.new, step, (out, caches))[0]

@@ -28,7 +28,7 @@ def _uncached(generate, cfg, params, prompts):
         positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
         logits, _ = generate.forward(cfg, params, seq, positions, model.empty(),
                                      lambda c, k, v: model.write(0, c, k, v),
-                                     lambda q, c: model.attend(0, q, c))
+                                     lambda q, k, v, c: model.prefill(q, k, v))
         seq = jnp.concatenate([seq, jnp.argmax(logits, -1).astype(jnp.int32)[:, None]], 1)
     return np.asarray(seq[:, prompts.shape[1]:])
 
