@@ -26,8 +26,6 @@ ARCHS = ("sm_90a",)
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
 # register file holds 64K 32-bit registers; the producer warpgroup keeps the minimum.
 PRODUCER_REGS = 24
-# Tile schedules of the forward (Tile.schedule).
-SCHEDULES = ("tile", "static", "dynamic")
 CONSUMER_REGS = {2: 240, 3: 160}
 
 
@@ -38,25 +36,18 @@ class Tile:
     softmax runs under the other's MMA; off, they issue as soon as their operands are in.
     `rescale_threshold`: FlashAttention-4's conditional rescaling (kernels/sm90/softmax.py):
     a row's max moves only when it grows by more than this many log2 units; None rescales
-    on every growth. `schedule`: "tile", one CTA per tile; "static", min(tiles, SMs)
-    CTAs that take the tiles in turn, in grid order; "dynamic", the same CTAs taking
-    the next tile from a counter, longest first with heads grouped to share L2
-    (kernels/sm90/schedule.py). Split variants always run "tile". Persistent CTAs
-    overlap a tile's Q load and first K/V blocks with the previous tile's last blocks
-    and epilogue; `q_stages` Q buffers let the next Q land while the current tile runs
-    (2 where shared memory allows)."""
+    on every growth. `persistent`: min(tiles, SMs) CTAs take the tiles in turn (not
+    split variants), so a tile's Q load and first K/V blocks overlap the previous
+    tile's last blocks and epilogue; `q_stages` Q buffers let the next Q land while
+    the current tile runs (2 where shared memory allows)."""
 
     m: int
     n: int
     kv_stages: int
     pingpong: bool = True
     rescale_threshold: float | None = None
-    schedule: str = "tile"
+    persistent: bool = False
     q_stages: int = 1
-
-    def __post_init__(self):
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"schedule {self.schedule!r} not in {SCHEDULES}")
 
     @property
     def consumers(self) -> int:
@@ -91,17 +82,20 @@ class Tile:
 #   (one Q buffer) 1.01 / 1.01 / 0.99-1.01; causal 0.88-0.90 / 0.95-0.96 / 0.94-0.96 at d64,
 #   0.72 / 0.93 / 0.65 at d128, 0.67 / 0.92 / 0.59 at d256 (a static order cannot balance
 #   tiles of unequal length). Kept for non-causal d64 and d128, and d96 with d128's tile
-#   (not measured). "dynamic" (longest first from a counter, for the banded tiles) is
-#   built but not yet measured: one CTA per tile until it is.
+#   (not measured).
+#   A dynamic order for the banded tiles (longest first from a counter the handler
+#   zeroes) is commit 0f764e6, with L2 head groups for the banded backward; programmatic
+#   dependent launch in the backward is 7f68f36. Both were built but never run on a GPU
+#   and are not in this tree until measured.
 _RESCALE = 8.0
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
-                      schedule="static", q_stages=2),
+                      persistent=True, q_stages=2),
     (64, True): Tile(m=128, n=128, kv_stages=2),
-    (96, False): Tile(m=128, n=128, kv_stages=2, schedule="static", q_stages=2),
+    (96, False): Tile(m=128, n=128, kv_stages=2, persistent=True, q_stages=2),
     (96, True): Tile(m=128, n=128, kv_stages=2),
     (128, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE,
-                      schedule="static", q_stages=2),
+                      persistent=True, q_stages=2),
     (128, True): Tile(m=128, n=128, kv_stages=2),
     (256, False): Tile(m=128, n=80, kv_stages=2),
     (256, True): Tile(m=128, n=80, kv_stages=2),
@@ -201,13 +195,6 @@ class FwdConfig(_KernelConfig):
     def tile(self) -> Tile:
         return _TILES[(self.head_dim, self.banded)]
 
-    @property
-    def schedule(self) -> str:
-        """The tile schedule this kernel runs: its tile's, but "tile" for split variants
-        (chosen when the tiles do not fill the GPU) and paged ones (the page walk's
-        registers and a persistent loop spill and serialize wgmma: ptxas C7514)."""
-        return "tile" if self.split or self.paged else self.tile.schedule
-
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
@@ -222,14 +209,6 @@ class BwdTile:
     q_stages: int
     split_head_dim: bool = False
     consumers: int = 2
-    # Banded atomic launches: CTAs in groups of K/V heads whose queries' Q and dO fit in
-    # L2 (kernels/sm90/schedule.py in_l2_groups), key block 0 (the longest) first in
-    # each; otherwise every head's key block 0, then every head's block 1, ...
-    l2_groups: bool = False
-    # Programmatic dependent launch: the main kernel and the postprocess are launched
-    # while the kernel before them runs, and wait (griddepcontrol.wait) only before
-    # reading its results, so their launch and prologue overlap its tail.
-    pdl: bool = False
 
     @property
     def dq_parts(self) -> int:
