@@ -33,7 +33,8 @@ def main(argv=None):
                 for r in (1, 2)]
         print(f"{new} vs {args.old} (speedup old / new per repetition)")
         groups = {}
-        for cell in sorted(reps[0][0], key=str):
+        # The cells both builds measured (an old run may cover more than this one).
+        for cell in sorted(reps[0][0].keys() & reps[0][1].keys(), key=str):
             ratios = [old[cell] / fresh[cell] for old, fresh in reps
                       if cell in old and cell in fresh]
             mode, d, causal, s = cell[:4]

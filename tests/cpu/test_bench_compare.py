@@ -25,3 +25,17 @@ def test_speedups_per_cell_and_group(tmp_path, capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "fwd d64 full: 1.250 - 2.000" in out
     assert "fwd d64 causal: 0.800 - 1.000" in out
+
+
+def test_only_the_cells_both_builds_measured(tmp_path, capsys, monkeypatch):
+    # The old build's file may hold more cells (an earlier run appended to it).
+    monkeypatch.syspath_prepend(str(REPO))
+    compare = importlib.import_module("bench.compare")
+    for rep in (1, 2):
+        _write(tmp_path / f"base-{rep}.jsonl", (1.0, 2.0))
+        cell = {"mode": "fwd", "d": 64, "causal": False, "s": 2048, "b": 8, "h": 32, "ms": 0.5}
+        (tmp_path / f"new-{rep}.jsonl").write_text(json.dumps(cell) + "\n")
+    compare.main([str(tmp_path), "base", "new"])
+    out = capsys.readouterr().out
+    assert "fwd d64 full: 2.000 - 2.000" in out
+    assert "causal" not in out
