@@ -83,10 +83,15 @@ class Tile:
 #   0.72 / 0.93 / 0.65 at d128, 0.67 / 0.92 / 0.59 at d256 (a static order cannot balance
 #   tiles of unequal length). Kept for non-causal d64 and d128, and d96 with d128's tile
 #   (not measured).
-#   A dynamic order for the banded tiles (longest first from a counter the handler
-#   zeroes) is commit 0f764e6, with L2 head groups for the banded backward; programmatic
-#   dependent launch in the backward is 7f68f36. Both were built but never run on a GPU
-#   and are not in this tree until measured.
+# Measured on the H100 on 2026-11-25 (second run, alternated twice in one call, against
+#   this tree's kernels; the code is in 0f764e6 and 7f68f36, kept out of this tree):
+#   - a dynamic order for the banded tiles (longest first from a counter the handler
+#     zeroes, heads grouped for L2): d64 causal 1.14x at 512, 1.09x at 2k, 1.00 at 16k;
+#     but the benchmark's loop hung in the d128 causal 512 cell (single calls of that
+#     shape finish and are correct), and 8 packed documents at d128 (segment kernels
+#     are banded) ran 0.82-0.87x. Not used until the hang is understood.
+#   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
+#     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
 _RESCALE = 8.0
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
@@ -220,6 +225,10 @@ class BwdTile:
 # 128 + 64 + 32 KB.
 # d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
 # of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept.
+# Also measured then (same method; the code is in 0f764e6 and 7f68f36, not in this
+# tree): programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
+# in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
+# banded launches, 0.77-0.83 at 512, 0.95-0.97 at 2k, 0.98-1.07 at 16k. Neither kept.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
