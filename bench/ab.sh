@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Old vs new build, alternated twice in one process-per-run GPU session (machines are
 # noisy: only ratios within one session count). Each build is a folder holding a
-# native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of bench/variant.sh); the Python
-# side is this checkout's. Then `python -m bench.compare` prints new / old per cell.
+# native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of bench/variant.sh) and, where
+# its Python side differs from this checkout's, the .py files of its jax_fa4/ (as
+# variant.sh saves them), which replace the checkout's for its runs. Then
+# `python -m bench.compare` prints new / old per cell.
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #
@@ -13,18 +15,19 @@ builds=${1:?usage: ab.sh "label=dir ..." [bench.run args]}
 shift
 out=${OUT:-build/ab-out}
 mkdir -p "$out"
-keep=$(mktemp)
-cp jax_fa4/_ffi.abi3.so "$keep" 2>/dev/null || true
+keep=$(mktemp -d)
+cp -r jax_fa4 "$keep/"
 for rep in 1 2; do
   for build in $builds; do
     label=${build%%=*}
     dir=${build#*=}
     if [ ! -f "$dir/_ffi.abi3.so" ]; then gunzip -k "$dir/_ffi.abi3.so.gz"; fi
+    rm -rf jax_fa4 && cp -r "$keep/jax_fa4" .
+    if [ -d "$dir/jax_fa4" ]; then cp "$dir"/jax_fa4/*.py jax_fa4/; fi
     cp "$dir/_ffi.abi3.so" jax_fa4/_ffi.abi3.so
     echo "== $label rep $rep"
     python3 -m bench.run --backends jax_fa4 "$@" --out "$out/$label-$rep.jsonl" \
       > "$out/$label-$rep.txt" 2>&1 || { tail -n 20 "$out/$label-$rep.txt"; exit 1; }
   done
 done
-if [ -s "$keep" ]; then cp "$keep" jax_fa4/_ffi.abi3.so; fi
-rm -f "$keep"
+rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"

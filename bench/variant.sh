@@ -2,7 +2,7 @@
 # Build a variant of this checkout for bench/ab.sh: copy the tree, apply a Python
 # snippet to kernels/config.py (the source text is `s`), build the wheel, and keep its
 # native module, gzipped (a carry to a GPU machine holds several), under
-# build/ab/NAME/_ffi.abi3.so.gz, which ab.sh unzips.
+# build/ab/NAME/_ffi.abi3.so.gz, which ab.sh unzips, next to its jax_fa4/*.py.
 #
 #   bash bench/variant.sh base ''
 #   bash bench/variant.sh kv3 's = s.replace("(64, True): Tile(m=128, n=128, kv_stages=2)", "(64, True): Tile(m=128, n=128, kv_stages=3)")'
@@ -33,4 +33,8 @@ echo "building $name"
   { tail -n 40 "$work/build.log"; exit 1; }
 mkdir -p "build/ab/$name"
 unzip -p "$work"/dist/jax_fa4-*.whl jax_fa4/_ffi.abi3.so | gzip -9 > "build/ab/$name/_ffi.abi3.so.gz"
+# Its Python side too, for ab.sh: a variant of another branch may call the kernels
+# differently.
+rm -rf "build/ab/$name/jax_fa4" && mkdir -p "build/ab/$name/jax_fa4"
+cp "$work"/jax_fa4/*.py "build/ab/$name/jax_fa4/"
 echo "build/ab/$name/_ffi.abi3.so.gz"
