@@ -259,9 +259,9 @@ class FwdSm90:
         @cute.struct
         class Storage:
             q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            split_flag: cute.struct.MemRange[Int32, 1]
             k_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             v_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
+            split_flag: cute.struct.MemRange[Int32, 1]  # after the 8-byte barriers
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
