@@ -9,11 +9,9 @@
 // after v select the segment variant of the banded kernel: rows (..., 3, Sq), keys
 // (..., Sk) and the plan (..., query tiles, 1 + key blocks) (kernels/sm90/segments.py);
 // the band attributes are then unused, the rows carry it. num_splits (i32) > 1 selects
-// the split-KV variant of the banded kernel, which takes three more results as
-// workspaces: fp32 partials (..., num_splits, Sq, H, Dv) and (..., num_splits, H, Sq),
-// and an int32 counter per query tile (..., H, query tiles), zeroed here before the
-// launch; the last split of each tile merges the tile's partials into out and lse
-// (kernels/sm90/split_combine.py). A fourth operand after the
+// the split-KV variant of the banded kernel: the results are then fp32 partials, out
+// (..., num_splits, Sq, H, Dv) normalized per split and lse (..., num_splits, H, Sq),
+// which jax_fa4 combines (an empty split gives 0 and -inf). A fourth operand after the
 // segment ones, the page table (..., max_pages) int32, selects the paged variant: k and v
 // are then caches (num_pages, page_size, Hkv, D / Dv) with page_size a multiple of
 // kPageRows, and Sk is max_pages * page_size (kernels/sm90/paged.py).
@@ -62,46 +60,6 @@ ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
                                        "(..., max_pages) with max_pages >= 1; got " +
                                        Dims(dims));
   return dims.back();
-}
-
-// The split-KV workspaces (all null without a split): the fp32 partials of out and lse,
-// and the per-tile counters, whose bytes the handler zeroes.
-struct SplitBuffers {
-  void* o_part = nullptr;
-  void* lse_part = nullptr;
-  void* count = nullptr;
-  size_t count_bytes = 0;
-};
-
-ffi::ErrorOr<SplitBuffers> SplitWorkspaces(const std::string& where,
-                                           const ffi::RemainingRets& rets, const FwdProblem& p,
-                                           int32_t num_splits, int64_t q_tiles) {
-  const size_t want = num_splits > 1 ? 3 : 0;
-  if (rets.size() != want)
-    return ffi::Error::InvalidArgument(where + ": expected " + std::to_string(want) +
-                                       " split workspaces, got " + std::to_string(rets.size()));
-  SplitBuffers split;
-  if (want == 0) return split;
-  auto o_part = rets.get<ffi::AnyBuffer>(0);
-  auto lse_part = rets.get<ffi::AnyBuffer>(1);
-  auto count = rets.get<ffi::AnyBuffer>(2);
-  if (o_part.has_error()) return o_part.error();
-  if (lse_part.has_error()) return lse_part.error();
-  if (count.has_error()) return count.error();
-  const int64_t rows = num_splits * p.batch * p.heads * p.seqlen_q;
-  if ((*o_part)->element_type() != ffi::DataType::F32 ||
-      (*o_part)->element_count() != static_cast<size_t>(rows * p.head_dim_v) ||
-      (*lse_part)->element_type() != ffi::DataType::F32 ||
-      (*lse_part)->element_count() != static_cast<size_t>(rows) ||
-      (*count)->element_type() != ffi::DataType::S32 ||
-      (*count)->element_count() != static_cast<size_t>(p.batch * p.heads * q_tiles))
-    return ffi::Error::InvalidArgument(where + ": split workspace shapes do not match the "
-                                       "operands");
-  split.o_part = (*o_part)->untyped_data();
-  split.lse_part = (*lse_part)->untyped_data();
-  split.count = (*count)->untyped_data();
-  split.count_bytes = (*count)->size_bytes();
-  return split;
 }
 
 // Validates the operands and picks the kernel; shared by both stages. max_pages > 0:
@@ -172,7 +130,7 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse, ...*/,
+                         ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse*/,
                          bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          int32_t num_splits) {
@@ -187,7 +145,7 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::RemainingArgs segment_args,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                      ffi::RemainingRets split_workspaces, bool banded, float softmax_scale, int32_t window_left,
+                      bool banded, float softmax_scale, int32_t window_left,
                       int32_t window_right, bool top_left, float softcap,
                       int32_t num_splits) {
   auto max_pages = MaxPages(segment_args);
@@ -213,12 +171,12 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
     page_table = table->untyped_data();
   }
 
-  if (out->element_type() != q.element_type() ||
-      out->element_count() != p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
-      lse->element_count() != p.batch * p.heads * p.seqlen_q)
+  const bool split = num_splits > 1;
+  const ffi::DataType out_type = split ? ffi::DataType::F32 : q.element_type();
+  if (out->element_type() != out_type ||
+      out->element_count() != num_splits * p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
+      lse->element_count() != num_splits * p.batch * p.heads * p.seqlen_q)
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
-  auto split = SplitWorkspaces(where, split_workspaces, p, num_splits, q_tiles);
-  if (split.has_error()) return split.error();
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
     return ffi::Error::InvalidArgument(where + ": softmax_scale must be finite and > 0");
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
@@ -233,7 +191,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
     return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
                                        "sequence lengths < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
-                   lse->typed_data(), split->o_part, split->lse_part, split->count}))
+                   lse->typed_data()}))
     return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
   if (!IsLoaded(*p.kernel, device))
     return ffi::Error::Internal(where + ": module not loaded onto device " +
@@ -242,11 +200,6 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
   auto num_sms = SmCount(where, device);
   if (num_sms.has_error()) return num_sms.error();
-  // A memset node under CUDA-graph capture, like the launch after it.
-  if (split->count != nullptr) {
-    cudaError_t e = cudaMemsetAsync(split->count, 0, split->count_bytes, stream);
-    if (e != cudaSuccess) return CudaError(where + ": zeroing the split counters", e);
-  }
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   FwdArgs args{const_cast<void*>(q.untyped_data()),
@@ -265,10 +218,6 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                SoftcapScale(softmax_scale, softcap)};
   args.num_splits = num_splits;
   args.split_batch = static_cast<int32_t>(p.batch * num_splits);
-  args.o_part = split->o_part;
-  args.lse_part = split->lse_part;
-  args.split_count = split->count;
-  args.q_tiles = static_cast<int32_t>(q_tiles);
   args.num_sms = *num_sms;
   args.page_table = page_table;
   args.num_pages = static_cast<int32_t>(p.num_pages);
@@ -288,7 +237,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Arg<ffi::AnyBuffer>()          // k
                                   .Arg<ffi::AnyBuffer>()          // v
                                   .RemainingArgs()                // segments: select the kernel
-                                  .RemainingRets()                // all: not touched
+                                  .RemainingRets()                // out, lse: not touched
                                   .Attr<bool>("banded")           // selects the kernel
                                   .Attr<float>("softmax_scale")   // unused here
                                   .Attr<int32_t>("window_left")   // unused here
@@ -308,7 +257,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                                               // (+ page table: paged)
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
-                                  .RemainingRets()  // split: partials and tile counters
                                   .Attr<bool>("banded")
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")

@@ -38,18 +38,12 @@ struct FwdArgs {
   void* plan;          // (batch, plan_tiles, plan_len): per tile, the blocks it visits
   int32_t plan_tiles;
   int32_t plan_len;
-  // Split kernels: the grid also runs over num_splits runs of each tile's key blocks,
-  // which write fp32 partials o_part (batch * num_splits, seqlen_q, heads, head_dim_v) and
-  // lse_part (batch * num_splits, heads, seqlen_q), batch-major, and count themselves in
-  // split_count (batch, heads, q_tiles) int32, zeroed before the launch; the last split
-  // of a tile writes its o and lse (kernels/sm90/split_combine.py). Others ignore these:
-  // num_splits is 1, split_batch is batch and the pointers are null.
+  // Split kernels: the grid also runs over num_splits runs of each tile's key blocks, and
+  // o and lse are fp32 partials (batch * num_splits, seqlen_q, heads, head_dim_v) and
+  // (batch * num_splits, heads, seqlen_q), batch-major. Others ignore these: num_splits
+  // is 1 and split_batch is batch.
   int32_t num_splits;
   int32_t split_batch;  // batch * num_splits
-  void* o_part;
-  void* lse_part;
-  void* split_count;
-  int32_t q_tiles;  // ceil(seqlen_q / tile_m)
   // The device's SM count: persistent kernels launch min(tiles, num_sms) CTAs that
   // take tiles in turn; the others ignore it.
   int32_t num_sms;

@@ -12,7 +12,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _segment_plan
+from jax_fa4 import _segment_plan, _split_kv
 from jax_fa4._kernel_select import GRID_YZ_LIMIT, bwd_kernel, fwd_kernel
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
@@ -21,31 +21,35 @@ FWD_TARGET = "jax_fa4_fwd"
 BWD_TARGET = "jax_fa4_bwd"
 
 
-def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1):
+def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1,
+        unpack=None):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of
     `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
     is made here; with `rows_per_position` g (pack-GQA), each of the rows stands for g
     consecutive rows of q, and the kernel gets them repeated. With
-    spec.num_splits > 1 the split kernel also takes its workspaces as results, fp32
-    partials per split (after the batch) and a counter per query tile, and merges the
-    partials itself (`_split_kv`). With spec.paged, k (P, page_size, Hkv, D) and v are
-    caches and `pages` (B, max_pages) int32 their table (`_paged`)."""
+    spec.num_splits > 1 the kernel writes fp32 partials per split (after the batch),
+    combined here (`_split_kv`). With spec.paged, k (P, page_size, Hkv, D) and v are
+    caches and `pages` (B, max_pages) int32 their table (`_paged`). `unpack(out, lse)`
+    maps the kernel's layout to the caller's (pack-GQA), before the combine: it acts
+    on the last three axes of out and two of lse."""
     *lead, sq, heads, _ = q.shape
-    dv = v.shape[-1]
-    results = [jax.ShapeDtypeStruct((*lead, sq, heads, dv), q.dtype),
-               jax.ShapeDtypeStruct((*lead, heads, sq), jnp.float32)]
-    if spec.num_splits > 1:
-        splits, tiles = spec.num_splits, -(-sq // fwd_kernel(spec)["tile_m"])
-        results += [jax.ShapeDtypeStruct((*lead, splits, sq, heads, dv), jnp.float32),
-                    jax.ShapeDtypeStruct((*lead, splits, heads, sq), jnp.float32),
-                    jax.ShapeDtypeStruct((*lead, heads, tiles), jnp.int32)]
+    splits = (spec.num_splits,) if spec.num_splits > 1 else ()
+    results = (
+        jax.ShapeDtypeStruct((*lead, *splits, sq, heads, v.shape[-1]),
+                             jnp.float32 if splits else q.dtype),
+        jax.ShapeDtypeStruct((*lead, *splits, heads, sq), jnp.float32),
+    )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
         (pages,) if spec.paged else ())
-    out, lse, *_workspaces = call(q, k, v, *extra, **spec.ffi_attributes())
+    out, lse = call(q, k, v, *extra, **spec.ffi_attributes())
+    if unpack is not None:
+        out, lse = unpack(out, lse)
+    if splits:
+        out, lse = _split_kv.combine(out, lse, q.dtype)
     return vary_like((q, k, v), (out, lse))
 
 

@@ -40,7 +40,7 @@ def _rows(x, g):
 
 
 def _unrows(x, g):
-    """_rows' inverse: (B, Sq * g, Hkv, D) -> (B, Sq, Hkv * g, D)."""
+    """_rows' inverse, on the last three axes (split-KV partials have one more)."""
     *lead, rows, heads_kv, d = x.shape
     x = x.reshape(*lead, rows // g, g, heads_kv, d)
     x = jnp.swapaxes(x, -3, -2)
@@ -55,7 +55,7 @@ def _lse_rows(x, g):
 
 
 def _lse_unrows(x, g):
-    """_lse_rows' inverse: (B, Hkv, Sq * g) -> (B, Hkv * g, Sq)."""
+    """_lse_rows' inverse, on the last two axes."""
     *lead, heads_kv, rows = x.shape
     x = jnp.swapaxes(x.reshape(*lead, heads_kv, rows // g, g), -2, -1)
     return x.reshape(*lead, heads_kv * g, rows // g)
@@ -74,9 +74,10 @@ def _segments(segments, spec, q, k):
 def fwd(q, k, v, *segments, spec, pages=None):
     """_ffi_calls.fwd on the packed problem."""
     g = spec.group_size
-    out, lse = _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
-                              spec=spec, pages=pages, rows_per_position=g)
-    return _unrows(out, g), _lse_unrows(lse, g)
+    # Unpacked before split-KV's combine, so that the transposes feed its reduction.
+    return _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
+                          spec=spec, pages=pages, rows_per_position=g,
+                          unpack=lambda out, lse: (_unrows(out, g), _lse_unrows(lse, g)))
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec):

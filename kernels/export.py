@@ -87,14 +87,11 @@ TENSORS = {
         Param("mSem", "sem", "bhn", "sem_len", "i32"),
     ),
 }
-# Split-KV variants take, after out and lse, their fp32 partials, one batch of them per
-# split, (B * num_splits, Sq, H, Dv) and (B * num_splits, H, Sq), batch-major, and a
-# counter per query tile (B, H, q_tiles) that the handler zeroes
-# (kernels/sm90/split_combine.py).
-SPLIT_TENSORS = (
-    Param("mOPart", "o_part", "bshd", "seqlen_q", "f32", batch="split_batch"),
-    Param("mLSEPart", "lse_part", "bhn", "seqlen_q", "f32", batch="split_batch"),
-    Param("mSplitCount", "split_count", "bhn", "q_tiles", "i32"),
+# Split-KV variants write fp32 partials instead of out and lse, one batch of them per
+# split: (B * num_splits, Sq, H, Dv) and (B * num_splits, H, Sq), batch-major.
+SPLIT_OUTPUTS = (
+    Param("mO", "o", "bshd", "seqlen_q", "f32", batch="split_batch"),
+    Param("mLSE", "lse", "bhn", "seqlen_q", "f32", batch="split_batch"),
 )
 # Paged variants read K and V from caches (num_pages, page_size, Hkv, D / Dv) and take
 # the page table (B, 1, max_pages) after the segment tensors (kernels/sm90/paged.py).
@@ -104,7 +101,7 @@ PAGED_CACHES = (
 )
 PAGE_TABLE = Param("mPages", "page_table", "bhn", "max_pages", "i32", heads="1")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
-VALUE_FIELDS = ("v", "o", "o_part", "dout", "dv")
+VALUE_FIELDS = ("v", "o", "dout", "dv")
 
 
 def width(cfg: Config, p: Param) -> int:
@@ -124,8 +121,8 @@ def tensors(cfg) -> tuple[Param, ...]:
     """The tensor parameters of cfg's kernel, in order."""
     params = TENSORS[cfg.kind]
     if cfg.kind == "fwd":
-        params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
-                  + (SPLIT_TENSORS if cfg.split else ()))
+        params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3])
+                  + (SPLIT_OUTPUTS if cfg.split else params[3:]))
     return (params + (SEGMENT_TENSORS if cfg.segments else ())
             + ((PAGE_TABLE,) if cfg.paged else ()))
 
@@ -222,16 +219,12 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
         return make_fake_compact_tensor(dtypes[p.dtype], shape, stride_order=order,
                                         assumed_align=16)
 
-    # Variants without segments (splits) take None for the segment (split) tensors: not
-    # in their ABI.
+    # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
-    split = ([fake(p) if cfg.split else None for p in SPLIT_TENSORS]
-             if cfg.kind == "fwd" else [])
-    main = [fake(p) for p in params
-            if p not in SEGMENT_TENSORS and p not in SPLIT_TENSORS and p != PAGE_TABLE]
+    main = [fake(p) for p in params if p not in SEGMENT_TENSORS and p != PAGE_TABLE]
     # Forward kernels take the page table (None unless paged) before their scalars.
     pages = [fake(PAGE_TABLE) if cfg.paged else None] if cfg.kind == "fwd" else []
-    compiled = cute.compile(kernel, *main, *split, *seg, *pages, *scalars,
+    compiled = cute.compile(kernel, *main, *seg, *pages, *scalars,
                             cuda.CUstream(0),
                             options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)

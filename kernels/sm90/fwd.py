@@ -11,16 +11,14 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     Split variants (banded; split-KV for few tiles over many keys) cut each tile's visits
     into num_splits runs (kernels/band.py split_visits), one CTA each; a split writes
     O_s = its own softmax(s * S) V over its keys, in fp32, and LSE_s (0 and -inf when it
-    sees no key), and the last split of a tile to finish merges them into O and LSE:
-    LSE = log sum_s exp(LSE_s), O = sum_s exp(LSE_s - LSE) O_s (split_combine.py).
-    Paged variants (segment variants) read K and V in
+    sees no key), and jax_fa4 combines them: LSE = log sum_s exp(LSE_s),
+    O = sum_s exp(LSE_s - LSE) O_s. Paged variants (segment variants) read K and V in
     place from a cache of pages through a page table (kernels/sm90/paged.py).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
-mRows, mKeys, mPlan (int32, segments.py); split variants also mOPart (B * num_splits,
-Sq, H, Dv) and mLSEPart (B * num_splits, H, Sq) in fp32, batch-major, and mSplitCount
-(B, H, query tiles) int32, zeroed by the handler. B, Sq, Sk, H and num_splits
+mRows, mKeys, mPlan (int32, segments.py); split variants write mO (B * num_splits, Sq, H,
+Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major. B, Sq, Sk, H and num_splits
 are runtime values, and so are the band's lo and hi and the softcap; dtype, D, banded, softcap and segments are
 compiled in (kernels/config.py).
 
@@ -42,9 +40,8 @@ Warpgroup roles:
          other's MMA.
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
-         Split variants store their fp32 O from registers, rows past Sq skipped, and
-         the tile's last split merges the tile's partials. The Q stage is released
-         once the store has read it.
+         Split variants store their fp32 O from registers, rows past Sq skipped. The
+         Q stage is released once the store has read it.
 The roles get what they share in holders, as in bwd.py: Gmem (TMA atoms and tensors,
 mLSE), Scalars (the launch's runtime values) and Smem (the shared-memory views), built
 once in `kernel`, and per tile a Walk (its query tile, head, batch and key blocks).
@@ -67,7 +64,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask, paged, segments, softcap, split_combine, wgmma
+from kernels.sm90 import mask, paged, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -82,7 +79,6 @@ class Barrier(enum.IntEnum):
 
     TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
-    COMBINE = 6  # all consumers, around a split's count (split_combine.py)
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -94,12 +90,10 @@ class Gmem:
     """What one CTA reads and writes in global memory: the TMA (atom, tensor) pairs of
     q, k, v (loads) and o (store; split variants: atom None, tensor the fp32 partials),
     each tensor (S, D, H, B) (kernels/sm90/paged.py for paged K and V), and mLSE
-    (Sq, H, B; split variants: the partials'); parts, split variants'
-    split_combine.Partials (None otherwise)."""
+    (Sq, H, B)."""
 
-    def __init__(self, q, k, v, o, mLSE, parts):
+    def __init__(self, q, k, v, o, mLSE):
         self.q, self.k, self.v, self.o, self.mLSE = q, k, v, o, mLSE
-        self.parts = parts
 
 
 class Scalars:
@@ -153,10 +147,10 @@ class Walk:
 class Smem:
     """This CTA's shared memory: the Q ring sQ (CONSUMER_ROWS, D, q_stages * consumers),
     stage s of consumer c at s * consumers + c, and the K and V rings sK (tile_n, D,
-    kv_stages), sV (Dv, tile_n, kv_stages); flag, one int32 (split_combine.py)."""
+    kv_stages), sV (Dv, tile_n, kv_stages)."""
 
-    def __init__(self, sQ, sK, sV, flag):
-        self.sQ, self.sK, self.sV, self.flag = sQ, sK, sV, flag
+    def __init__(self, sQ, sK, sV):
+        self.sQ, self.sK, self.sV = sQ, sK, sV
 
 
 class FwdSm90:
@@ -189,9 +183,6 @@ class FwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
-        mOPart: cute.Tensor | None,
-        mLSEPart: cute.Tensor | None,
-        mSplitCount: cute.Tensor | None,
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
@@ -206,9 +197,6 @@ class FwdSm90:
     ):
         """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI);
         mPages: paged variants only, and then mK, mV are the caches (paged.py).
-        mOPart, mLSEPart, mSplitCount: split variants only: their fp32 partials and
-        per-tile counter, from which the last split of a tile writes mO and mLSE
-        (split_combine.py).
         num_splits: split variants only (others are launched with 1 and ignore it).
         num_sms: the device's SM count, the most CTAs a persistent launch runs."""
         dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
@@ -242,13 +230,9 @@ class FwdSm90:
         else:
             tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(load, k, sK_one, (self.tile_n, d))
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (dv, self.tile_n))
-        # Split variants store their fp32 partials from registers, to the tensor itself.
-        tma_atom_o, tma_o, o_out, lse_out = None, o, None, None
-        if cutlass.const_expr(self.split):
-            tma_o, o_out = _seq_major(mOPart), o
-            lse, lse_out = cute.make_tensor(
-                mLSEPart.iterator, cute.select(mLSEPart.layout, mode=[2, 1, 0])), lse
-        else:
+        # Split variants store their fp32 partials from registers: `o` itself.
+        tma_atom_o, tma_o = None, o
+        if cutlass.const_expr(not self.split):
             tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), o, sO_one, (CONSUMER_ROWS, dv)
             )
@@ -261,7 +245,6 @@ class FwdSm90:
             q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
             k_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             v_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
-            split_flag: cute.struct.MemRange[Int32, 1]  # after the 8-byte barriers
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
             sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
@@ -273,7 +256,7 @@ class FwdSm90:
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms), 1, 1)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, o_out, lse_out, mSplitCount, mRows, mKeys, mPlan, mPages, scale_log2, band_lo, band_hi, softcap_scale, splits,
+            lse, mRows, mKeys, mPlan, mPages, scale_log2, band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
@@ -291,9 +274,6 @@ class FwdSm90:
         tma_atom_o: cute.CopyAtom | None,
         tma_o: cute.Tensor,
         mLSE: cute.Tensor,
-        o_out: cute.Tensor | None,
-        lse_out: cute.Tensor | None,
-        mSplitCount: cute.Tensor | None,
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
@@ -335,14 +315,10 @@ class FwdSm90:
         seqlen_k = tma_k.shape[0]
         if cutlass.const_expr(self.paged):
             seqlen_k = mPages.shape[2] * tma_k.shape[0]
-        parts = None
-        if cutlass.const_expr(self.split):
-            parts = split_combine.Partials(tma_o, mLSE, o_out, lse_out, mSplitCount,
-                                           num_splits)
         gmem = Gmem((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v),
-                    (tma_atom_o, tma_o), mLSE, parts)
+                    (tma_atom_o, tma_o), mLSE)
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k)
-        smem = Smem(sQ, sK, sV, storage.split_flag.get_tensor(cute.make_layout(1)))
+        smem = Smem(sQ, sK, sV)
         segment_tensors = (mRows, mKeys, mPlan, mPages)
         schedule = self._schedule(seqlen_q, tma_q.shape[2], tma_q.shape[3], num_splits)
 
@@ -625,11 +601,6 @@ class FwdSm90:
             pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
         if warp % 4 == 0:
             q_handle.release()
-        if cutlass.const_expr(self.split):
-            split_combine.combine_if_last(
-                gmem.parts, smem.flag, m_block, walk.head, walk.batch, run.seqlen_q,
-                c * WARPGROUP + tidx, Barrier.COMBINE, WARPGROUP * self.consumers,
-                self.tile_m, self.head_dim_v)
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit

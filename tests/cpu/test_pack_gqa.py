@@ -27,6 +27,12 @@ def test_rows_put_a_groups_heads_next_to_each_other():
     assert packed_lse.shape == (2, 2, 3 * g)
     np.testing.assert_array_equal(packed_lse[:, 1, 2 * g + 3], lse[:, 1 * g + 3, 2])
     np.testing.assert_array_equal(_pack_gqa._lse_unrows(packed_lse, g), lse)
+    # Split-KV partials carry a split axis after the batch: unpacked split by split.
+    splits = jnp.stack([packed, packed + 1], axis=1)
+    np.testing.assert_array_equal(_pack_gqa._unrows(splits, g), jnp.stack([q, q + 1], axis=1))
+    lse_splits = jnp.stack([packed_lse, packed_lse * 2], axis=1)
+    np.testing.assert_array_equal(_pack_gqa._lse_unrows(lse_splits, g),
+                                  jnp.stack([lse, lse * 2], axis=1))
 
 
 @pytest.mark.parametrize("group,seqlen_q,tile_m,packs", [
