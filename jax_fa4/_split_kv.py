@@ -35,30 +35,25 @@ def num_splits(ctas: int, key_blocks: int, sm_count: int) -> int:
     return max(splits, 1)
 
 
-def _merge(a, b):
-    """Two partial results of one output element, each (m, s, o): sum_k exp(lse_k - m)
-    over its splits is s, and the same sum of their out_k is o. A side without keys has
-    m = -inf and weighs 0 (no inf - inf)."""
-    (m_a, s_a, o_a), (m_b, s_b, o_b) = a, b
-    m = jnp.maximum(m_a, m_b)
-    w_a = jnp.where(m_a == -jnp.inf, 0.0, jnp.exp(m_a - m))
-    w_b = jnp.where(m_b == -jnp.inf, 0.0, jnp.exp(m_b - m))
-    return m, s_a * w_a + s_b * w_b, o_a * w_a + o_b * w_b
-
-
 def combine(out, lse, dtype):
     """out (..., S, Sq, H, Dv) and lse (..., S, H, Sq), fp32 partials of S splits ->
     out (..., Sq, H, Dv) in dtype and lse (..., H, Sq) fp32.
 
-    One reduction over the splits, as the online softmax merges blocks: each element
-    carries (running max, sum of weights, weighted sum of outs), so XLA reads every
-    partial once in a single reduce (a decode step launches it next to the kernel)."""
+    The row's lse first (the partial lse are small), then one weighted sum of the
+    partials, whose cast to dtype XLA fuses into it: three small kernels after the
+    split kernel, 1.3-2.8 us less per decode step on an H100 than one variadic
+    reduction carrying (max, sum of weights, weighted sum) and its separate epilogue
+    (per-kernel CUPTI sums of a decode step, both alternated twice in one process,
+    2026-11-25; batch 1, 32 / 8 heads of 128: 8k keys 17.6 -> 15.6 us, 32k 55.8 ->
+    53.0, 128k 186.9 -> 184.7; batch 4 at 8k level)."""
     split_axis = out.ndim - 4
-    m = jnp.broadcast_to(jnp.swapaxes(lse, -1, -2)[..., None], out.shape)
-    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
-    top, total, summed = jax.lax.reduce((m, jnp.ones_like(out), out), init,
-                                        _merge, (split_axis,))
+    top = jnp.max(lse, axis=split_axis, keepdims=True)
+    # A row no split sees has top = -inf; its weights stay 0 (no inf - inf).
+    top = jnp.where(top == -jnp.inf, 0.0, top)
+    weight = jnp.exp(lse - top)
+    total = jnp.sum(weight, axis=split_axis, keepdims=True)
     seen = total > 0
-    out = jnp.where(seen, summed / jnp.where(seen, total, 1.0), 0.0)
+    weight = weight / jnp.where(seen, total, 1.0)
     whole = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    return out.astype(dtype), jnp.swapaxes(whole[..., 0], -1, -2)
+    summed = jnp.sum(jnp.swapaxes(weight, -1, -2)[..., None] * out, axis=split_axis)
+    return summed.astype(dtype), jnp.squeeze(whole, split_axis)
