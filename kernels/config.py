@@ -89,7 +89,11 @@ class Tile:
 #     zeroes, heads grouped for L2): d64 causal 1.14x at 512, 1.09x at 2k, 1.00 at 16k;
 #     but the benchmark's loop hung in the d128 causal 512 cell (single calls of that
 #     shape finish and are correct), and 8 packed documents at d128 (segment kernels
-#     are banded) ran 0.82-0.87x. Not used until the hang is understood.
+#     are banded) ran 0.82-0.87x. Not used until the hang is understood. Third run
+#     (same day): the d128 causal 512 forward hangs after 1 to 13 back-to-back calls
+#     with XLA's command buffers on or off alike (earlier calls correct), so a race in
+#     the kernel or its counter's zeroing, not CUDA graphs; with command buffers off
+#     the cell once finished at 282 TFLOP/s, main's speed: no gain at d128.
 #   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
 _RESCALE = 8.0
@@ -229,6 +233,11 @@ class BwdTile:
 # tree): programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
 # in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
 # banded launches, 0.77-0.83 at 512, 0.95-0.97 at 2k, 0.98-1.07 at 16k. Neither kept.
+# The ceiling of fewer dQ adds (the atomic backward with its dQ adds skipped, a wrong
+# result, probe branch fb2999d; H100, 2026-11-25, alternated twice, 2k and 16k): d64
+# 0.98-1.09x, d128 1.00-1.10x, d256 1.31-1.47x. A 2-CTA pair that halves the adds can
+# buy at most about half of that, so d64's gap to upstream FA4 lies in the main
+# kernel's own work (per-kernel CUPTI at 8k: 6.48 ms against cuDNN's 5.67).
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
