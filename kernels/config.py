@@ -93,7 +93,12 @@ class Tile:
 #     (same day): the d128 causal 512 forward hangs after 1 to 13 back-to-back calls
 #     with XLA's command buffers on or off alike (earlier calls correct), so a race in
 #     the kernel or its counter's zeroing, not CUDA graphs; with command buffers off
-#     the cell once finished at 282 TFLOP/s, main's speed: no gain at d128.
+#     the cell once finished at 282 TFLOP/s, main's speed: no gain at d128. The
+#     persistent "static" order on the same banded tiles (persistent=True, q_stages=2)
+#     never hung (90 calls; but 0.65-0.96x of one CTA per tile), and one dynamic call
+#     under compute-sanitizer memcheck and synccheck reports 0 errors: the hang needs
+#     the dynamic schedule's own parts (the tile ring, the counter, or how they shift
+#     the ping-pong turns), and is timing-dependent.
 #   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
 _RESCALE = 8.0
