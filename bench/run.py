@@ -13,6 +13,7 @@
     python -m bench.run --seqlens 131072 --seqlen-q 1 --batch 1 --heads 32 --heads-kv 8 \
         --causal false --page-size 64       # decode over a paged cache (+ jax_fa4_paged,
                                             # and jax_fa4_lengths: the dense cache)
+    python -m bench.run --hdims 128 --seqlens 512 --kernels   # and each kernel's time
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -36,7 +37,7 @@ import jax.numpy as jnp
 
 from bench.backends import BACKENDS, DETERMINISTIC, PAGED
 from bench.flops import attention_flops
-from bench.timing import make_timer
+from bench.timing import kernel_times, make_timer
 
 TOKENS, HIDDEN = 16384, 2048
 ANCHORS = pathlib.Path(__file__).with_name("anchors_h100.jsonl")
@@ -56,12 +57,14 @@ def load_anchors():
 
 def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
             h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None,
-            dv=None, page_size=None):
+            dv=None, page_size=None, kernels=False):
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
     causal sliding window over window_left + 1 keys; scores capped at softcap; rows
     packed with `documents` equal documents, as segment ids; v and out of head_dim dv,
     default d; K and V as a cache of page_size pages for the PAGED backends). The backward is timed as a whole vjp (which re-runs the forward) minus
-    `fwd_ms`, the convention of the anchors."""
+    `fwd_ms`, the convention of the anchors. With `kernels`, also "kernels": [(name, ms)]
+    of each GPU kernel of one call (a backward's call is the whole vjp, so its list
+    starts with the forward's kernels)."""
     keys = jax.random.split(jax.random.key(0), 4)
     dv = dv or d
     q = jax.random.normal(keys[0], (b, seqlen_q or s, h, d), dtype)
@@ -79,15 +82,20 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
         options["page_size"] = page_size
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
-        ms = timer(attn, q, k, v, iterations=iterations)
+        call, args = attn, (q, k, v)
+        ms = timer(attn, *args, iterations=iterations)
     else:
-        def vjp(q, k, v, dout):
+        def call(q, k, v, dout):
             return jax.vjp(attn, q, k, v)[1](dout)
 
-        ms = timer(vjp, q, k, v, dout, iterations=iterations) - fwd_ms
+        args = (q, k, v, dout)
+        ms = timer(call, *args, iterations=iterations) - fwd_ms
     flops = attention_flops(b, h, seqlen_q or s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
                             dv=dv, window_left=window_left, documents=documents or 1)
-    return {"ms": ms, "tflops": flops / ms / 1e9}
+    result = {"ms": ms, "tflops": flops / ms / 1e9}
+    if kernels:
+        result["kernels"] = kernel_times(call, *args, iterations=iterations)
+    return result
 
 
 def main():
@@ -119,6 +127,9 @@ def main():
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--kernels", action="store_true",
+                    help="also time each GPU kernel of a call (CUPTI): a line per backend "
+                         "under each row, and \"kernels\" in the JSON lines")
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "bench.jsonl"))
     args = ap.parse_args()
 
@@ -156,6 +167,8 @@ def main():
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     method, timer = make_timer()
+    if args.kernels and method != "cupti":
+        ap.error("--kernels needs CUPTI timing, which is unavailable here")
     shape = "".join([f", head_dim of v {args.hdim_v}" if args.hdim_v else "",
                      f", {args.heads} query heads" if args.heads else "",
                      f", {args.heads_kv} K/V heads" if args.heads_kv else "",
@@ -205,7 +218,7 @@ def main():
                                                    args.iterations, mode, fwd.get(be), h_kv,
                                                    args.window, args.softcap, args.documents,
                                                    args.seqlen_q, args.hdim_v,
-                                                   args.page_size))
+                                                   args.page_size, args.kernels))
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]
@@ -215,6 +228,16 @@ def main():
                         # The peers have one backward: bwd_det compares with it.
                         peer_row = rows.get("bwd", {}) if mode == "bwd_det" else row
                         print_row(row, peer_row, backends, anchors, mode, d, causal, s)
+                        for be, rec in row.items():
+                            if "kernels" in rec:
+                                print(kernel_line(be, rec["kernels"]), flush=True)
+
+
+def kernel_line(backend, kernels) -> str:
+    """One backend's kernels of a cell: total, then each kernel's ms in launch order."""
+    parts = "; ".join(f"{name} {ms * 1e3:.1f}" for name, ms in kernels)
+    total = sum(ms for _, ms in kernels)
+    return f"#   {backend}: {total * 1e3:.1f} us = {parts}"
 
 
 def print_row(row, peer_row, backends, anchors, mode, d, causal, s):

@@ -22,6 +22,26 @@ def _cupti_ms(fn, *args, iterations):
     return statistics.median(times)
 
 
+def kernel_times(fn, *args, iterations=10):
+    """[(short kernel name, median ms)] of the GPU kernels one call of fn launches, in
+    launch order (CUPTI; fn is jitted and warmed up by the profiler)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    _, per_call = profiler.measure(jax.jit(fn), aggregate=False, iterations=iterations)(*args)
+    if not per_call:
+        raise RuntimeError("no GPU kernels were launched")
+    if iterations == 1:
+        per_call = [per_call]
+    return [(short_name(name), statistics.median(call[i][1] for call in per_call))
+            for i, (name, _) in enumerate(per_call[0])]
+
+
+def short_name(kernel: str, width: int = 48) -> str:
+    """A kernel's name cut to what tells kernels apart: CuTe-DSL device names end in a
+    long mangled signature after "_object_at_"; others are cut to `width`."""
+    return kernel.split("_object_at_")[0].removeprefix("kernel_cutlass_")[:width]
+
+
 def _wall_ms(fn, *args, iterations):
     t0 = time.perf_counter()
     for _ in range(iterations):

@@ -1,0 +1,49 @@
+"""bench.run --kernels: how a call's kernels are named and printed (the CUPTI
+measurement itself needs a GPU)."""
+
+import pytest
+
+from bench.run import kernel_line
+from bench.timing import short_name
+
+
+@pytest.mark.parametrize("name, short", [
+    ("kernel_cutlass_kernel_kernelssm90fwdFwdSm90_object_at__CopyAtom_ThrID10_TVLayout",
+     "kernel_kernelssm90fwdFwdSm90"),
+    ("kernel_cutlass_postprocess_kernelssm90bwdBwdSm90_object_at__Tensor",
+     "postprocess_kernelssm90bwdBwdSm90"),
+    ("loop_reduce_fusion", "loop_reduce_fusion"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1",
+     "cudnn_generated_fort_native_sdpa_sm90_flash_fpro"),
+])
+def test_short_names_keep_what_tells_kernels_apart(name, short):
+    assert short_name(name) == short
+
+
+def test_kernel_line_totals_in_microseconds_in_launch_order():
+    line = kernel_line("jax_fa4", [("loop_transpose_fusion", 0.0011),
+                                   ("kernel_kernelssm90fwdFwdSm90", 0.0104),
+                                   ("loop_reduce_fusion", 0.0018)])
+    assert line == ("#   jax_fa4: 13.3 us = loop_transpose_fusion 1.1; "
+                    "kernel_kernelssm90fwdFwdSm90 10.4; loop_reduce_fusion 1.8")
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_kernel_times_takes_each_kernels_median(monkeypatch, iterations):
+    """kernel_times reads the profiler's per-call lists (one list, not a list of them,
+    for one iteration), here a stand-in for CUPTI's."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    from bench import timing
+
+    calls = [[("kernel_cutlass_kernel_kernelssm90fwdFwdSm90_object_at__x", t),
+              ("loop_reduce_fusion", 0.002)] for t in (0.010, 0.012, 0.011)][:iterations]
+
+    def fake_measure(fn, *, aggregate, iterations):
+        assert not aggregate and iterations == len(calls)
+        return lambda *args: (fn(*args), calls[0] if iterations == 1 else calls)
+
+    monkeypatch.setattr(profiler, "measure", fake_measure)
+    times = timing.kernel_times(lambda x: x + 1, 1.0, iterations=iterations)
+    assert times == [("kernel_kernelssm90fwdFwdSm90", 0.010 if iterations == 1 else 0.011),
+                     ("loop_reduce_fusion", 0.002)]
