@@ -1,10 +1,20 @@
 """bench.run --kernels: how a call's kernels are named and printed (the CUPTI
 measurement itself needs a GPU)."""
 
+import importlib
+import pathlib
+
 import pytest
 
-from bench.run import kernel_line
-from bench.timing import short_name
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    """bench.run and bench.timing, from the checkout (the tests import the installed
+    jax_fa4, and bench is not installed)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    return importlib.import_module("bench.run"), importlib.import_module("bench.timing")
 
 
 @pytest.mark.parametrize("name, short", [
@@ -16,12 +26,12 @@ from bench.timing import short_name
     ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_3_64x128x128_4x1x1",
      "cudnn_generated_fort_native_sdpa_sm90_flash_fpro"),
 ])
-def test_short_names_keep_what_tells_kernels_apart(name, short):
-    assert short_name(name) == short
+def test_short_names_keep_what_tells_kernels_apart(bench, name, short):
+    assert bench[1].short_name(name) == short
 
 
-def test_kernel_line_totals_in_microseconds_in_launch_order():
-    line = kernel_line("jax_fa4", [("loop_transpose_fusion", 0.0011),
+def test_kernel_line_totals_in_microseconds_in_launch_order(bench):
+    line = bench[0].kernel_line("jax_fa4", [("loop_transpose_fusion", 0.0011),
                                    ("kernel_kernelssm90fwdFwdSm90", 0.0104),
                                    ("loop_reduce_fusion", 0.0018)])
     assert line == ("#   jax_fa4: 13.3 us = loop_transpose_fusion 1.1; "
@@ -29,13 +39,12 @@ def test_kernel_line_totals_in_microseconds_in_launch_order():
 
 
 @pytest.mark.parametrize("iterations", [1, 3])
-def test_kernel_times_takes_each_kernels_median(monkeypatch, iterations):
+def test_kernel_times_takes_each_kernels_median(bench, monkeypatch, iterations):
     """kernel_times reads the profiler's per-call lists (one list, not a list of them,
     for one iteration), here a stand-in for CUPTI's."""
     from jax.experimental.mosaic.gpu import profiler
 
-    from bench import timing
-
+    timing = bench[1]
     calls = [[("kernel_cutlass_kernel_kernelssm90fwdFwdSm90_object_at__x", t),
               ("loop_reduce_fusion", 0.002)] for t in (0.010, 0.012, 0.011)][:iterations]
 
