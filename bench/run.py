@@ -83,7 +83,7 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         call, args = attn, (q, k, v)
-        ms = timer(attn, *args, iterations=iterations)
+        ms = timer(call, *args, iterations=iterations)
     else:
         def call(q, k, v, dout):
             return jax.vjp(attn, q, k, v)[1](dout)

@@ -11,7 +11,6 @@ backward never splits: it reads only out and lse.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 # At most this many splits (ffi/handler_common.h kMaxSplits).
