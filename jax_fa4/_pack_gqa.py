@@ -9,9 +9,8 @@ and K/V are read once per group. The kernels see a call with Hq = Hkv.
 Row positions change under packing, so a band (causal, window) comes in per-row key
 ranges: the segment kernel variant (`AttentionSpec.segment_kernel`), with each row's
 range and id repeated g times (by _ffi_calls, which makes the tile plan from the rows
-before repeating them: one row per position). Everything here runs on each device's
-shard (under a ring, on each chunk pair with its band), so the sharding rules see the
-unpacked call.
+before repeating them: one row per position). Everything here runs on each device's shard (under a
+ring, on each chunk pair with its band), so the sharding rules see the unpacked call.
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ def combine(out, lse, dtype):
     m = jnp.broadcast_to(jnp.swapaxes(lse, -1, -2)[..., None], out.shape)
     init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.float32(0.0))
     top, total, summed = jax.lax.reduce((m, jnp.ones_like(out), out), init,
-                                        _merge, (split_axis,))
+                                        lambda a, b: _merge(a, b), (split_axis,))
     seen = total > 0
     out = jnp.where(seen, summed / jnp.where(seen, total, 1.0), 0.0)
     whole = jnp.where(seen, top + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
