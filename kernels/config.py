@@ -250,7 +250,7 @@ class BwdTile:
 # d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
 # of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept.
 # Also measured then (same method, options off / on):
-# tree): programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
+# programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
 # in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
 # banded launches, 0.77-0.83 at 512, 0.95-0.97 at 2k, 0.98-1.07 at 16k. Neither kept.
 _BWD_TILES = {
