@@ -82,6 +82,7 @@ class Barrier(enum.IntEnum):
 
     TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
+    TILE_START = 7  # consumer 0 has begun a tile (_start_turns)
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -602,8 +603,7 @@ class FwdSm90:
                        tiled_r2s=tiled_r2s, sOc=sOc)
 
         if n_end > n_begin:
-            if c == self.consumers - 1:
-                self._pass_turn(c)  # consumer 0 issues first
+            self._start_turns(c)
 
             # First visited block: S and softmax only; its PV runs in the next step.
             n_last, first_masked = self._first_block(n_end, seg)
@@ -797,6 +797,21 @@ class FwdSm90:
                 for r in cutlass.range_constexpr(ROWS_PER_THREAD):
                     for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
                         acc_rc[r, col] = acc_rc[r, col] * row_scale[r]
+
+    @cute.jit
+    def _start_turns(self, c: Int32):
+        """Consumer 0 issues first in a tile: the last consumer passes it the turn, but
+        only once consumer 0 has begun the tile, so after consumer 0 took (at the end of
+        the previous tile) the last consumer's final pass. Two passes without a wait in
+        between would complete the named barrier without consumer 0, which then waits
+        for good: in persistent CTAs the last consumer can reach its next tile first."""
+        if cutlass.const_expr(self.pingpong and self.consumers > 1):
+            gate = pipeline.NamedBarrier(Barrier.TILE_START, 2 * WARPGROUP)
+            if c == 0:
+                gate.arrive()
+            if c == self.consumers - 1:
+                gate.arrive_and_wait()
+                self._pass_turn(c)
 
     def _wait_turn(self, c):
         if self.pingpong:
