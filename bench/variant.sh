@@ -5,7 +5,7 @@
 # build/ab/NAME/_ffi.abi3.so.gz, which ab.sh unzips, next to its jax_fa4/*.py.
 #
 #   bash bench/variant.sh base ''
-#   bash bench/variant.sh kv3 's = s.replace("(64, True): Tile(m=128, n=128, kv_stages=2)", "(64, True): Tile(m=128, n=128, kv_stages=3)")'
+#   bash bench/variant.sh pdl 's = s.replace("n=128, q_stages=2)", "n=128, q_stages=2, pdl=True)")'
 #
 # About 4 minutes on 2 idle cores (every kernel is compiled: config.py is part of the
 # kernel cache key). Needs a Python >= 3.12 with pip (PYTHON, default .venv/bin/python).

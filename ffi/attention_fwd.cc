@@ -2,23 +2,26 @@
 //
 // Operands q (..., Sq, H, D), k and v (..., Sk, H, D): bf16 or fp16, row-major; every
 // leading dimension is folded into the batch (so vmap can add axes). Results: out like
-// q, lse (..., H, Sq) fp32. Attributes: banded (bool: the banded kernel),
-// softmax_scale (f32), window_left / window_right (i32, < 0: unbounded; causal is a
-// right side of 0), top_left (bool: the band's alignment; else bottom-right), softcap
-// (f32, 0: none; else the banded kernel's softcap variant). Three more int32 operands
-// after v select the segment variant of the banded kernel: rows (..., 3, Sq), keys
-// (..., Sk) and the plan (..., query tiles, 1 + key blocks) (kernels/sm90/segments.py);
-// the band attributes are then unused, the rows carry it. num_splits (i32) > 1 selects
-// the split-KV variant of the banded kernel: the results are then fp32 partials, out
-// (..., num_splits, Sq, H, Dv) normalized per split and lse (..., num_splits, H, Sq),
-// which jax_fa4 combines (an empty split gives 0 and -inf). A fourth operand after the
-// segment ones, the page table (..., max_pages) int32, selects the paged variant: k and v
-// are then caches (num_pages, page_size, Hkv, D / Dv) with page_size a multiple of
-// kPageRows, and Sk is max_pages * page_size (kernels/sm90/paged.py).
+// q, lse (..., H, Sq) fp32, and a tile counter (..., 1) int32, a workspace that
+// "dynamic"-schedule kernels take tiles from (zeroed here before them). Attributes:
+// banded (bool: the banded kernel), softmax_scale (f32), window_left / window_right
+// (i32, < 0: unbounded; causal is a right side of 0), top_left (bool: the band's
+// alignment; else bottom-right), softcap (f32, 0: none; else the banded kernel's softcap
+// variant). Three more int32 operands after v select the segment variant of the banded
+// kernel: rows (..., 3, Sq), keys (..., Sk) and the plan (..., query tiles, 1 + key
+// blocks) (kernels/sm90/segments.py); the band attributes are then unused, the rows
+// carry it. num_splits (i32) > 1 selects the split-KV variant of the banded kernel: the
+// results are then fp32 partials, out (..., num_splits, Sq, H, Dv) normalized per split
+// and lse (..., num_splits, H, Sq), which jax_fa4 combines (an empty split gives 0 and
+// -inf). A fourth operand after the segment ones, the page table (..., max_pages) int32,
+// selects the paged variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv)
+// with page_size a multiple of kPageRows, and Sk is max_pages * page_size
+// (kernels/sm90/paged.py).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
-// on XLA's stream, so the handler is command-buffer (CUDA graph) compatible.
+// on XLA's stream (and, for a "dynamic" kernel, zeroes its counter there first), so the
+// handler is command-buffer (CUDA graph) compatible.
 
 #include <cuda_runtime.h>
 
@@ -130,7 +133,7 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse*/,
+                         ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse, counter*/,
                          bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          int32_t num_splits) {
@@ -145,9 +148,9 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::RemainingArgs segment_args,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                      bool banded, float softmax_scale, int32_t window_left,
-                      int32_t window_right, bool top_left, float softcap,
-                      int32_t num_splits) {
+                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counter, bool banded,
+                      float softmax_scale, int32_t window_left, int32_t window_right,
+                      bool top_left, float softcap, int32_t num_splits) {
   auto max_pages = MaxPages(segment_args);
   if (max_pages.has_error()) return max_pages.error();
   auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, num_splits,
@@ -175,7 +178,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const ffi::DataType out_type = split ? ffi::DataType::F32 : q.element_type();
   if (out->element_type() != out_type ||
       out->element_count() != num_splits * p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
-      lse->element_count() != num_splits * p.batch * p.heads * p.seqlen_q)
+      lse->element_count() != num_splits * p.batch * p.heads * p.seqlen_q ||
+      tile_counter->element_count() < 1)
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
     return ffi::Error::InvalidArgument(where + ": softmax_scale must be finite and > 0");
@@ -200,6 +204,11 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
   auto num_sms = SmCount(where, device);
   if (num_sms.has_error()) return num_sms.error();
+  // A memset node under CUDA-graph capture, like the launch after it.
+  if (p.kernel->dynamic) {
+    cudaError_t e = cudaMemsetAsync(tile_counter->typed_data(), 0, sizeof(int32_t), stream);
+    if (e != cudaSuccess) return CudaError(where + ": zeroing the tile counter", e);
+  }
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   FwdArgs args{const_cast<void*>(q.untyped_data()),
@@ -219,6 +228,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   args.num_splits = num_splits;
   args.split_batch = static_cast<int32_t>(p.batch * num_splits);
   args.num_sms = *num_sms;
+  args.tile_counter = tile_counter->typed_data();
   args.page_table = page_table;
   args.num_pages = static_cast<int32_t>(p.num_pages);
   args.page_size = static_cast<int32_t>(p.page_size);
@@ -237,7 +247,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Arg<ffi::AnyBuffer>()          // k
                                   .Arg<ffi::AnyBuffer>()          // v
                                   .RemainingArgs()                // segments: select the kernel
-                                  .RemainingRets()                // out, lse: not touched
+                                  .RemainingRets()                // results: not touched
                                   .Attr<bool>("banded")           // selects the kernel
                                   .Attr<float>("softmax_scale")   // unused here
                                   .Attr<int32_t>("window_left")   // unused here
@@ -257,6 +267,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                                               // (+ page table: paged)
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
+                                  .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (1,)
                                   .Attr<bool>("banded")
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")

@@ -47,6 +47,9 @@ struct FwdArgs {
   // The device's SM count: persistent kernels launch min(tiles, num_sms) CTAs that
   // take tiles in turn; the others ignore it.
   int32_t num_sms;
+  // "dynamic" kernels (kernels/sm90/schedule.py): one int32 counting the tiles taken,
+  // zero at the launch; others ignore it.
+  void* tile_counter;
   // Paged kernels (kernels/sm90/paged.py): k, v are caches (num_pages, page_size,
   // heads_kv, head_dim / head_dim_v), and key j of batch b is slot j % page_size of page
   // page_table[b, j / page_size]; seqlen_k is max_pages * page_size. Others ignore these.
@@ -111,6 +114,8 @@ struct Kernel {
   bool segments;  // visibility from per-row arrays and a plan (FwdArgs); banded only
   bool split;     // forward split-KV: fp32 partials per split (FwdArgs); banded only
   bool paged;     // forward K/V read from a paged cache (FwdArgs); segment variants only
+  bool dynamic;   // forward "dynamic" schedule: takes tiles from FwdArgs::tile_counter,
+                  // which the handler zeroes before the launch
   int tile_m;
   int tile_n;
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0

@@ -39,13 +39,17 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
         jax.ShapeDtypeStruct((*lead, *splits, sq, heads, v.shape[-1]),
                              jnp.float32 if splits else q.dtype),
         jax.ShapeDtypeStruct((*lead, *splits, heads, sq), jnp.float32),
+        # The "dynamic" schedule's tile counter (kernels/sm90/schedule.py): XLA
+        # allocates it (so it joins buffer assignment and command buffers), the handler
+        # zeroes it before such a kernel.
+        jax.ShapeDtypeStruct((1,), jnp.int32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
         (pages,) if spec.paged else ())
-    out, lse = call(q, k, v, *extra, **spec.ffi_attributes())
+    out, lse, _counter = call(q, k, v, *extra, **spec.ffi_attributes())
     if unpack is not None:
         out, lse = unpack(out, lse)
     if splits:

@@ -26,6 +26,8 @@ ARCHS = ("sm_90a",)
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
 # register file holds 64K 32-bit registers; the producer warpgroup keeps the minimum.
 PRODUCER_REGS = 24
+# Tile schedules of the forward (Tile.schedule).
+SCHEDULES = ("tile", "static", "dynamic")
 CONSUMER_REGS = {2: 240, 3: 160}
 
 
@@ -36,18 +38,25 @@ class Tile:
     softmax runs under the other's MMA; off, they issue as soon as their operands are in.
     `rescale_threshold`: FlashAttention-4's conditional rescaling (kernels/sm90/softmax.py):
     a row's max moves only when it grows by more than this many log2 units; None rescales
-    on every growth. `persistent`: min(tiles, SMs) CTAs take the tiles in turn (not
-    split variants), so a tile's Q load and first K/V blocks overlap the previous
-    tile's last blocks and epilogue; `q_stages` Q buffers let the next Q land while
-    the current tile runs (2 where shared memory allows)."""
+    on every growth. `schedule`: "tile", one CTA per tile; "static", min(tiles, SMs)
+    CTAs that take the tiles in turn, in grid order; "dynamic", the same CTAs taking
+    the next tile from a counter, longest first with heads grouped to share L2
+    (kernels/sm90/schedule.py). Split variants always run "tile". Persistent CTAs
+    overlap a tile's Q load and first K/V blocks with the previous tile's last blocks
+    and epilogue; `q_stages` Q buffers let the next Q land while the current tile runs
+    (2 where shared memory allows)."""
 
     m: int
     n: int
     kv_stages: int
     pingpong: bool = True
     rescale_threshold: float | None = None
-    persistent: bool = False
+    schedule: str = "tile"
     q_stages: int = 1
+
+    def __post_init__(self):
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule {self.schedule!r} not in {SCHEDULES}")
 
     @property
     def consumers(self) -> int:
@@ -84,7 +93,7 @@ class Tile:
 #   tiles of unequal length). Kept for non-causal d64 and d128, and d96 with d128's tile
 #   (not measured).
 # Measured on the H100 on 2026-11-25 (second run, alternated twice in one call, against
-#   this tree's kernels; the code is in 0f764e6 and 7f68f36, kept out of this tree):
+#   one CTA per tile / the options off):
 #   - a dynamic order for the banded tiles (longest first from a counter the handler
 #     zeroes, heads grouped for L2): d64 causal 1.14x at 512, 1.09x at 2k, 1.00 at 16k;
 #     but the benchmark's loop hung in the d128 causal 512 cell (single calls of that
@@ -104,12 +113,12 @@ class Tile:
 _RESCALE = 8.0
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
-                      persistent=True, q_stages=2),
+                      schedule="static", q_stages=2),
     (64, True): Tile(m=128, n=128, kv_stages=2),
-    (96, False): Tile(m=128, n=128, kv_stages=2, persistent=True, q_stages=2),
+    (96, False): Tile(m=128, n=128, kv_stages=2, schedule="static", q_stages=2),
     (96, True): Tile(m=128, n=128, kv_stages=2),
     (128, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE,
-                      persistent=True, q_stages=2),
+                      schedule="static", q_stages=2),
     (128, True): Tile(m=128, n=128, kv_stages=2),
     (256, False): Tile(m=128, n=80, kv_stages=2),
     (256, True): Tile(m=128, n=80, kv_stages=2),
@@ -209,6 +218,13 @@ class FwdConfig(_KernelConfig):
     def tile(self) -> Tile:
         return _TILES[(self.head_dim, self.banded)]
 
+    @property
+    def schedule(self) -> str:
+        """The tile schedule this kernel runs: its tile's, but "tile" for split variants
+        (chosen when the tiles do not fill the GPU) and paged ones (the page walk's
+        registers and a persistent loop spill and serialize wgmma: ptxas C7514)."""
+        return "tile" if self.split or self.paged else self.tile.schedule
+
 
 @dataclasses.dataclass(frozen=True)
 class BwdTile:
@@ -223,6 +239,14 @@ class BwdTile:
     q_stages: int
     split_head_dim: bool = False
     consumers: int = 2
+    # Banded atomic launches: CTAs in groups of K/V heads whose queries' Q and dO fit in
+    # L2 (kernels/sm90/schedule.py in_l2_groups), key block 0 (the longest) first in
+    # each; otherwise every head's key block 0, then every head's block 1, ...
+    l2_groups: bool = False
+    # Programmatic dependent launch: the main kernel and the postprocess are launched
+    # while the kernel before them runs, and wait (griddepcontrol.wait) only before
+    # reading its results, so their launch and prologue overlap its tail.
+    pdl: bool = False
 
     @property
     def dq_parts(self) -> int:
@@ -234,8 +258,8 @@ class BwdTile:
 # 128 + 64 + 32 KB.
 # d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
 # of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept.
-# Also measured then (same method; the code is in 0f764e6 and 7f68f36, not in this
-# tree): programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
+# Also measured then (same method, options off / on):
+# programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
 # in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
 # banded launches, 0.77-0.83 at 512, 0.95-0.97 at 2k, 0.98-1.07 at 16k. Neither kept.
 # The ceiling of fewer dQ adds (the atomic backward with its dQ adds skipped, a wrong

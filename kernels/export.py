@@ -46,9 +46,9 @@ class Param(NamedTuple):
     layout "bshd": (B, S, H, D) row-major with static D -> export struct shapes
     (B, S, H), strides (S*H*D, H*D); "bhn": (B, H, N) row-major -> shapes (B, H, N),
     strides (H*N, N). `extent` is the FwdArgs / BwdArgs field holding S or N, `heads`
-    the one holding H (K and V have their own with GQA) or a literal number, `field` the
-    one holding the pointer, `batch` the one holding B; dtype "io" is the
-    configuration's dtype.
+    the one holding H (K and V have their own with GQA), `batch` the one holding B, each
+    or a literal number (still a runtime size in the export ABI); `field` the one
+    holding the pointer; dtype "io" is the configuration's dtype.
     """
 
     tensor: str
@@ -100,6 +100,9 @@ PAGED_CACHES = (
     Param("mV", "v", "bshd", "page_size", heads="heads_kv", batch="num_pages"),
 )
 PAGE_TABLE = Param("mPages", "page_table", "bhn", "max_pages", "i32", heads="1")
+# Every forward kernel takes the "dynamic" schedule's tile counter after out and lse
+# (kernels/sm90/schedule.py): one int32 that the handler zeroes before such a launch.
+TILE_COUNTER = Param("mTileCounter", "tile_counter", "bhn", "1", "i32", heads="1", batch="1")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
 VALUE_FIELDS = ("v", "o", "dout", "dv")
 
@@ -122,7 +125,7 @@ def tensors(cfg) -> tuple[Param, ...]:
     params = TENSORS[cfg.kind]
     if cfg.kind == "fwd":
         params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3])
-                  + (SPLIT_OUTPUTS if cfg.split else params[3:]))
+                  + (SPLIT_OUTPUTS if cfg.split else params[3:]) + (TILE_COUNTER,))
     return (params + (SEGMENT_TENSORS if cfg.segments else ())
             + ((PAGE_TABLE,) if cfg.paged else ()))
 
@@ -295,12 +298,13 @@ def _entry(cfg: Config) -> str:
     lines = []
     for p in tensors(cfg):
         struct = f"{cfg.name}_Tensor_{p.tensor}_t"
-        heads = p.heads if p.heads.isdigit() else f"a.{p.heads}"
+        batch, heads, extent = (name if name.isdigit() else f"a.{name}"
+                                for name in (p.batch, p.heads, p.extent))
         if p.layout == "bshd":
-            make = (f"Bshd<{struct}>(a.{p.field}, a.{p.batch}, a.{p.extent}, {heads}, "
+            make = (f"Bshd<{struct}>(a.{p.field}, {batch}, {extent}, {heads}, "
                     f"{width(cfg, p)})")
         else:
-            make = f"Bhn<{struct}>(a.{p.field}, a.{p.batch}, {heads}, a.{p.extent})"
+            make = f"Bhn<{struct}>(a.{p.field}, {batch}, {heads}, {extent})"
         lines.append(f"  auto {p.field} = {make};")
     call = [f"&{p.field}" for p in tensors(cfg)]
     call += [f"a.{field}" for _, field in SCALARS[cfg.kind]] + ["stream"]
@@ -323,12 +327,14 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            banded, softcap, segments, split, paged = (
+            dynamic = kind == "fwd" and cfg.schedule == "dynamic"
+            banded, softcap, segments, split, paged, dynamic = (
                 "true" if flag else "false"
-                for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged))
+                for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged,
+                             dynamic))
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
-                f'{banded}, {softcap}, {segments}, {split}, {paged}, '
+                f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")

@@ -18,15 +18,18 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
 mRows, mKeys, mPlan (int32, segments.py); split variants write mO (B * num_splits, Sq, H,
-Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major. B, Sq, Sk, H and num_splits
+Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major; mTileCounter (1, 1, 1) int32
+is the "dynamic" schedule's. B, Sq, Sk, H and num_splits
 are runtime values, and so are the band's lo and hi and the softcap; dtype, D, banded, softcap and segments are
 compiled in (kernels/config.py).
 
 Tiles are (tile of tile_m query rows, head, batch), and per split in split variants;
-banded grids run the longest tiles first. One CTA per tile, or with the tile config's
-`persistent` (not split variants) min(tiles, SMs) CTAs that take the tiles in turn
-(Schedule): each role loops over the CTA's tiles, and the Q, K and V rings run on
-across them, so the next tile's loads overlap this tile's last blocks and epilogue.
+banded grids run the longest tiles first. The tile config's `schedule`
+(kernels/sm90/schedule.py): one CTA per tile, or min(tiles, SMs) persistent CTAs that
+take the tiles in turn, in grid order ("static") or from a counter ("dynamic", the
+producer handing each tile to the consumers through a ring in shared memory). Each
+role loops over its CTA's tiles, and the Q, K and V rings run on across them, so the
+next tile's loads overlap this tile's last blocks and epilogue.
 Warpgroup roles:
   0      producer: warp 0 issues TMA for each tile's Q into a q_stages-deep ring, then
          its K and V blocks into two kv_stages-deep rings (separate pipelines, so
@@ -64,7 +67,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask, paged, segments, softcap, wgmma
+from kernels.sm90 import mask, paged, schedule, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -79,6 +82,7 @@ class Barrier(enum.IntEnum):
 
     TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
+    TILE_START = 7  # consumer 0 has begun a tile (_start_turns)
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -105,26 +109,22 @@ class Scalars:
         self.softcap_scale, self.seqlen_q, self.seqlen_k = softcap_scale, seqlen_q, seqlen_k
 
 
-class Schedule:
-    """The tiles one CTA computes (`count` of them), as (x, head, batch) of the launch
-    grid (x: query tile, times the split in split variants): `grid_tile`. One-tile
-    launches: the block index (stride None). Persistent launches (min(tiles, SMs)
-    CTAs): tiles first, first + stride, ... of the grid flattened with x fastest, so
-    neighbouring CTAs share a head's K and V in L2."""
-
-    def __init__(self, first, stride, count, extent_x, heads):
-        self.first, self.stride, self.count = first, stride, count
-        self.extent_x, self.heads = extent_x, heads
+def _publish(producer, ring, t):
+    """Hand tile index t to the consumers through the next ring slot (every lane of the
+    producer warp writes it and arrives)."""
+    handle = producer.acquire_and_advance()
+    ring[handle.index] = t
+    handle.commit()
+    return producer
 
 
-def grid_tile(schedule: Schedule, i):
-    """Tile i of the schedule: (x, head, batch). A function rather than a method: the
-    DSL would carry an object whose methods a branch calls as a runtime value."""
-    if schedule.stride is None:
-        return schedule.first
-    t = schedule.first + i * schedule.stride
-    rest = t // schedule.extent_x
-    return t - rest * schedule.extent_x, rest % schedule.heads, rest // schedule.heads
+def _receive(consumer, ring):
+    """The next tile index from the ring (every consumer thread reads it, then frees
+    its share of the slot)."""
+    handle = consumer.wait_and_advance()
+    t = ring[handle.index]
+    handle.release()
+    return consumer, t
 
 
 class Walk:
@@ -166,8 +166,8 @@ class FwdSm90:
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
-        # Split variants run few tiles: they keep one CTA per tile.
-        self.persistent = cfg.tile.persistent and not cfg.split
+        self.schedule = cfg.schedule
+        self.persistent = self.schedule != "tile"
         self.q_stages = cfg.tile.q_stages if self.persistent else 1
         self.consumers = cfg.tile.consumers
         self.pingpong = cfg.tile.pingpong
@@ -183,6 +183,7 @@ class FwdSm90:
         mV: cute.Tensor,
         mO: cute.Tensor,
         mLSE: cute.Tensor,
+        mTileCounter: cute.Tensor,
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
@@ -198,7 +199,9 @@ class FwdSm90:
         """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI);
         mPages: paged variants only, and then mK, mV are the caches (paged.py).
         num_splits: split variants only (others are launched with 1 and ignore it).
-        num_sms: the device's SM count, the most CTAs a persistent launch runs."""
+        num_sms: the device's SM count, the most CTAs a persistent launch runs.
+        mTileCounter (1, 1, 1) int32: the "dynamic" schedule's counter of tiles taken,
+        zeroed by the handler before the launch; others leave it alone."""
         dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
@@ -243,6 +246,8 @@ class FwdSm90:
         @cute.struct
         class Storage:
             q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            tile_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
+            tile_ring: cute.struct.MemRange[Int32, self.q_stages]
             k_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             v_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -256,7 +261,8 @@ class FwdSm90:
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms), 1, 1)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, mRows, mKeys, mPlan, mPages, scale_log2, band_lo, band_hi, softcap_scale, splits,
+            lse, mTileCounter, mRows, mKeys, mPlan, mPages, scale_log2, band_lo, band_hi,
+            softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
@@ -274,6 +280,7 @@ class FwdSm90:
         tma_atom_o: cute.CopyAtom | None,
         tma_o: cute.Tensor,
         mLSE: cute.Tensor,
+        mTileCounter: cute.Tensor,
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
@@ -308,6 +315,17 @@ class FwdSm90:
                                                 self.k_bytes, 4 * self.consumers)
         v_producer, v_consumer = self._pipeline(storage.v_mbar.data_ptr(), self.kv_stages,
                                                 self.v_bytes, 4 * self.consumers)
+        if cutlass.const_expr(self.schedule == "dynamic"):
+            # The producer warp hands tile indices to every consumer thread.
+            tile_producer, tile_consumer = pipeline.PipelineAsync.create(
+                barrier_storage=storage.tile_mbar.data_ptr(),
+                num_stages=self.q_stages,
+                producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+                consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread,
+                                                         WARPGROUP * self.consumers),
+                defer_sync=True,
+            ).make_participants()
+            tile_ring = storage.tile_ring.get_tensor(cute.make_layout(self.q_stages))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -319,38 +337,77 @@ class FwdSm90:
                     (tma_atom_o, tma_o), mLSE)
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k)
         smem = Smem(sQ, sK, sV)
-        segment_tensors = (mRows, mKeys, mPlan, mPages)
-        schedule = self._schedule(seqlen_q, tma_q.shape[2], tma_q.shape[3], num_splits)
+        # What _walk needs besides the tile.
+        launch = (run, gmem, (mRows, mKeys, mPlan, mPages), num_splits)
+        extent_x = cute.ceil_div(seqlen_q, self.tile_m)
+        if cutlass.const_expr(self.split):
+            extent_x = extent_x * num_splits
+        grid = schedule.Grid(extent_x, tma_q.shape[2], tma_q.shape[3])
 
         if wg == 0:
             cute.arch.setmaxregister_decrease(PRODUCER_REGS)
             if warp == 0:
-                for i in cutlass.range(schedule.count, unroll=1):
-                    walk = self._walk(grid_tile(schedule, i), run, gmem, segment_tensors, num_splits)
-                    q_producer, k_producer, v_producer = self.load(
-                        gmem, smem, walk, q_producer, k_producer, v_producer)
+                if cutlass.const_expr(self.schedule == "dynamic"):
+                    # Longest first, from the block index, then from the counter; the
+                    # ring carries each tile, then the end (an index past the count).
+                    order = schedule.pairs_per_group(grid, seqlen_k, self._key_bytes())
+                    stride, _, _ = cute.arch.grid_dim()
+                    t, _, _ = cute.arch.block_idx()
+                    while t < grid.count:
+                        tile_producer = _publish(tile_producer, tile_ring, t)
+                        tile = schedule.in_l2_groups(grid, order, t)
+                        q_producer, k_producer, v_producer = self.load(
+                            gmem, smem, self._walk(tile, launch), q_producer, k_producer,
+                            v_producer)
+                        t = schedule.take_next(mTileCounter.iterator, stride)
+                    tile_producer = _publish(tile_producer, tile_ring, t)
+                else:
+                    first, stride, count = self._share(grid)
+                    for i in cutlass.range(count, unroll=1):
+                        tile = self._static_tile(grid, first, stride, i)
+                        q_producer, k_producer, v_producer = self.load(
+                            gmem, smem, self._walk(tile, launch), q_producer, k_producer,
+                            v_producer)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            for i in cutlass.range(schedule.count, unroll=1):
-                walk = self._walk(grid_tile(schedule, i), run, gmem, segment_tensors, num_splits)
-                q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
-                    gmem, run, walk, smem, q_consumer, k_consumer, v_consumer, wg - 1,
-                    tidx % WARPGROUP, warp)
+            c, ctid = wg - 1, tidx % WARPGROUP
+            if cutlass.const_expr(self.schedule == "dynamic"):
+                order = schedule.pairs_per_group(grid, seqlen_k, self._key_bytes())
+                tile_consumer, t = _receive(tile_consumer, tile_ring)
+                while t < grid.count:
+                    tile = schedule.in_l2_groups(grid, order, t)
+                    q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
+                        gmem, run, self._walk(tile, launch), smem, q_consumer, k_consumer,
+                        v_consumer, c, ctid, warp)
+                    tile_consumer, t = _receive(tile_consumer, tile_ring)
+            else:
+                first, stride, count = self._share(grid)
+                for i in cutlass.range(count, unroll=1):
+                    tile = self._static_tile(grid, first, stride, i)
+                    q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
+                        gmem, run, self._walk(tile, launch), smem, q_consumer, k_consumer,
+                        v_consumer, c, ctid, warp)
 
-    def _schedule(self, seqlen_q: Int32, heads: Int32, batch: Int32, num_splits: Int32):
-        extent_x = cute.ceil_div(seqlen_q, self.tile_m)
-        if cutlass.const_expr(self.split):
-            extent_x = extent_x * num_splits
-        if cutlass.const_expr(self.persistent):
-            first, _, _ = cute.arch.block_idx()
-            stride, _, _ = cute.arch.grid_dim()
-            count = cute.ceil_div(extent_x * heads * batch - first, stride)
-            return Schedule(first, stride, count, extent_x, heads)
-        return Schedule(cute.arch.block_idx(), None, 1, None, None)
+    def _key_bytes(self) -> int:
+        """Bytes of K and V per key (16-bit dtypes)."""
+        return 2 * (self.head_dim + self.head_dim_v)
 
-    def _walk(self, tile, run: Scalars, gmem: Gmem, segment_tensors, num_splits: Int32) -> Walk:
-        """The Walk of grid tile (x, head, batch)."""
-        mRows, mKeys, mPlan, mPages = segment_tensors
+    def _share(self, grid):
+        """(first, stride, count) of this CTA's tiles: "static" takes every stride-th
+        tile of the grid; "tile" its one tile (first unused)."""
+        if cutlass.const_expr(self.schedule == "static"):
+            return schedule.static_share(grid)
+        return Int32(0), Int32(0), 1
+
+    def _static_tile(self, grid, first, stride, i):
+        if cutlass.const_expr(self.schedule == "static"):
+            return schedule.in_grid_order(grid, first + i * stride)
+        return cute.arch.block_idx()
+
+    def _walk(self, tile, launch) -> Walk:
+        """The Walk of grid tile (x, head, batch); launch: (run, gmem, the segment
+        tensors, num_splits), as `kernel` has them."""
+        run, gmem, (mRows, mKeys, mPlan, mPages), num_splits = launch
         tma_q, tma_k = gmem.q[1], gmem.k[1]
         bx, head, batch = tile
         m_block, split = bx, Int32(0)
@@ -546,8 +603,7 @@ class FwdSm90:
                        tiled_r2s=tiled_r2s, sOc=sOc)
 
         if n_end > n_begin:
-            if c == self.consumers - 1:
-                self._pass_turn(c)  # consumer 0 issues first
+            self._start_turns(c)
 
             # First visited block: S and softmax only; its PV runs in the next step.
             n_last, first_masked = self._first_block(n_end, seg)
@@ -741,6 +797,21 @@ class FwdSm90:
                 for r in cutlass.range_constexpr(ROWS_PER_THREAD):
                     for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
                         acc_rc[r, col] = acc_rc[r, col] * row_scale[r]
+
+    @cute.jit
+    def _start_turns(self, c: Int32):
+        """Consumer 0 issues first in a tile: the last consumer passes it the turn, but
+        only once consumer 0 has begun the tile, so after consumer 0 took (at the end of
+        the previous tile) the last consumer's final pass. Two passes without a wait in
+        between would complete the named barrier without consumer 0, which then waits
+        for good: in persistent CTAs the last consumer can reach its next tile first."""
+        if cutlass.const_expr(self.pingpong and self.consumers > 1):
+            gate = pipeline.NamedBarrier(Barrier.TILE_START, 2 * WARPGROUP)
+            if c == 0:
+                gate.arrive()
+            if c == self.consumers - 1:
+                gate.arrive_and_wait()
+                self._pass_turn(c)
 
     def _wait_turn(self, c):
         if self.pingpong:

@@ -89,8 +89,8 @@ def test_decode_lowers_to_the_split_kernel(built):
     q, kv = sds(1, 1, 32, 128), sds(1, 8192, 8, 128)
     (attrs, results), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))
     assert "banded = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
-    # pack-GQA rows: the 4 query heads of each KV head.
-    assert results == "tensor<1x16x4x8x128xf32>, tensor<1x16x8x4xf32>", results
+    # pack-GQA rows: the 4 query heads of each KV head; then the tile counter.
+    assert results == ("tensor<1x16x4x8x128xf32>, tensor<1x16x8x4xf32>, tensor<1xi32>"), results
 
 
 def test_full_grids_and_gradients_do_not_split(built):
