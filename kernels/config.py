@@ -41,10 +41,9 @@ class Tile:
     on every growth. `schedule`: "tile", one CTA per tile; "static", min(tiles, SMs)
     CTAs that take the tiles in turn, in grid order; "dynamic", the same CTAs taking
     the next tile from a counter, longest first with heads grouped to share L2
-    (kernels/sm90/schedule.py). Split variants always run "tile". Persistent CTAs
-    overlap a tile's Q load and first K/V blocks with the previous tile's last blocks
-    and epilogue; `q_stages` Q buffers let the next Q land while the current tile runs
-    (2 where shared memory allows)."""
+    (kernels/sm90/schedule.py). Persistent CTAs overlap a tile's Q load and first K/V
+    blocks with the previous tile's last blocks and epilogue; `q_stages` Q buffers let
+    the next Q land while the current tile runs (2 where shared memory allows)."""
 
     m: int
     n: int
@@ -94,20 +93,6 @@ class Tile:
 #   (not measured).
 # Measured on the H100 on 2026-11-25 (second run, alternated twice in one call, against
 #   one CTA per tile / the options off):
-#   - a dynamic order for the banded tiles (longest first from a counter the handler
-#     zeroes, heads grouped for L2): d64 causal 1.14x at 512, 1.09x at 2k, 1.00 at 16k;
-#     but the benchmark's loop hung in the d128 causal 512 cell (single calls of that
-#     shape finish and are correct), and 8 packed documents at d128 (segment kernels
-#     are banded) ran 0.82-0.87x. Not used until the hang is understood. Third run
-#     (same day): the d128 causal 512 forward hangs after 1 to 13 back-to-back calls
-#     with XLA's command buffers on or off alike (earlier calls correct), so a race in
-#     the kernel or its counter's zeroing, not CUDA graphs; with command buffers off
-#     the cell once finished at 282 TFLOP/s, main's speed: no gain at d128. The
-#     persistent "static" order on the same banded tiles (persistent=True, q_stages=2)
-#     never hung (90 calls; but 0.65-0.96x of one CTA per tile), and one dynamic call
-#     under compute-sanitizer memcheck and synccheck reports 0 errors: the hang needs
-#     the dynamic schedule's own parts (the tile ring, the counter, or how they shift
-#     the ping-pong turns), and is timing-dependent.
 #   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
 _RESCALE = 8.0
@@ -125,6 +110,26 @@ _TILES = {
     # D 192 / Dv 128: Q 48 + K 2 x 48 + V 2 x 32 = 208 KB.
     (192, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE),
     (192, True): Tile(m=128, n=128, kv_stages=2),
+}
+# Banded kernels that read a plain band (no segment plan, no split, no pages): the
+# "dynamic" order, longest tiles first, with ping-pong off. Speed against _TILES' one
+# CTA per tile with ping-pong (H100, 2026-11-25, bench.run, builds alternated twice in
+# one call), causal at 512 / 2k / 8k / 16k:
+#   d64   1.19 / 1.15 / 1.07 / 1.03      d96  1.10 / 1.11 / 1.01 (8k; 1.13 at 1k)
+#   d128  1.01 / 1.11 / 1.07 / 1.03      d256 0.91 / 1.07 / 1.07 / 1.00 (1.01 at 1k)
+#   d128 window 1024 at 2k / 8k 1.12 / 1.09; GQA 32 / 8 at 2k / 8k 1.12 / 1.06; softcap
+#   at 2k 1.13. The same order with ping-pong on (its tile start gated: fwd.py
+#   _start_turns) ran 0.01-0.05 below it in every cell. Left out: D 192 / Dv 128 (0.85 /
+#   0.95 / 1.01 / 0.96), and segment kernels (8 packed documents at d128, 16k: 0.87,
+#   causal 0.91), which keep _TILES. d256 at 512 tokens runs 9% slower (one Q buffer:
+#   the next tile's Q cannot land early), taken for the gain from 2k to 8k. Before
+#   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
+#   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
+#   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
+_DYNAMIC_BANDED = {
+    head_dim: dataclasses.replace(tile, pingpong=False, schedule="dynamic",
+                                  q_stages=1 if head_dim == 256 else 2)
+    for (head_dim, banded), tile in _TILES.items() if banded and head_dim in (64, 96, 128, 256)
 }
 
 
@@ -216,14 +221,12 @@ class FwdConfig(_KernelConfig):
 
     @property
     def tile(self) -> Tile:
+        """Split variants (chosen when the tiles do not fill the GPU) and paged ones
+        (the page walk's registers and a persistent loop spill and serialize wgmma:
+        ptxas C7514) run one CTA per tile: they are segment or split kernels."""
+        if self.banded and not (self.segments or self.split) and self.head_dim in _DYNAMIC_BANDED:
+            return _DYNAMIC_BANDED[self.head_dim]
         return _TILES[(self.head_dim, self.banded)]
-
-    @property
-    def schedule(self) -> str:
-        """The tile schedule this kernel runs: its tile's, but "tile" for split variants
-        (chosen when the tiles do not fill the GPU) and paged ones (the page walk's
-        registers and a persistent loop spill and serialize wgmma: ptxas C7514)."""
-        return "tile" if self.split or self.paged else self.tile.schedule
 
 
 @dataclasses.dataclass(frozen=True)

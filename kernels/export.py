@@ -327,7 +327,7 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
             dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
-            dynamic = kind == "fwd" and cfg.schedule == "dynamic"
+            dynamic = kind == "fwd" and cfg.tile.schedule == "dynamic"
             banded, softcap, segments, split, paged, dynamic = (
                 "true" if flag else "false"
                 for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged,

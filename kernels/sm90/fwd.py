@@ -166,7 +166,7 @@ class FwdSm90:
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.kv_stages = cfg.tile.kv_stages
-        self.schedule = cfg.schedule
+        self.schedule = cfg.tile.schedule
         self.persistent = self.schedule != "tile"
         self.q_stages = cfg.tile.q_stages if self.persistent else 1
         self.consumers = cfg.tile.consumers
