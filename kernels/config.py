@@ -121,7 +121,9 @@ _TILES = {
 #   at 2k 1.13. The same order with ping-pong on (its tile start gated: fwd.py
 #   _start_turns) ran 0.01-0.05 below it in every cell. Left out: D 192 / Dv 128 (0.85 /
 #   0.95 / 1.01 / 0.96), and segment kernels (8 packed documents at d128, 16k: 0.87,
-#   causal 0.91), which keep _TILES. d256 at 512 tokens runs 9% slower (one Q buffer:
+#   causal 0.91), which keep _TILES: persistent, with any order, Q stages or ping-pong,
+#   their ptxas serializes wgmma (C7514: the S accumulator is copied between k-steps of
+#   _step's QK chain), one CTA per tile does not. d256 at 512 tokens runs 9% slower (one Q buffer:
 #   the next tile's Q cannot land early), taken for the gain from 2k to 8k. Before
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
