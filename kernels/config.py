@@ -262,7 +262,8 @@ class BwdTile:
 # P^T when split) 2 * m*n (each): d128 64 + 64 + 32 KB + 32 KB fp32 dQ staging; d256
 # 128 + 64 + 32 KB.
 # d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
-# of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept.
+# of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept. Its ptxas serializes
+# the wgmma for want of registers (C7512), which m=64 does not.
 # Also measured then (same method, options off / on):
 # programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
 # in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
