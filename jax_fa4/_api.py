@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from jax_fa4 import (_fallback, _kernel_select, _masks, _path, _registry, _segment_plan,
-                     _sharding, _vjp)
+from jax_fa4 import (_fallback, _float8, _kernel_select, _masks, _path, _registry,
+                     _segment_plan, _sharding, _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -17,7 +17,8 @@ IMPLEMENTATIONS = (None, "cute", "reference")
 def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
               implementation=None, alignment="bottom_right", window=None, softcap=None,
               sinks=None, q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-              kv_lengths=None, deterministic=False):
+              kv_lengths=None, deterministic=False, q_descale=None, k_descale=None,
+              v_descale=None, out_dtype=None):
     """Softmax attention, FlashAttention-style.
 
     q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, Hq, Dv), plus
@@ -64,6 +65,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         blocks are skipped). They also set Lq, Lk of bottom-right alignment (a decode
         step with a padded KV cache: Sq = 1, kv_lengths = the cache lengths). Any int32
         value is defined: lengths are clipped to [0, Sq] / [0, Sk] first, on every path.
+    float8: q, k, v of float8_e4m3fn stand for q * q_descale, k * k_descale, v *
+        v_descale; each descale is None (1) or a float32 array, one per tensor (shape ())
+        or per K/V head (Hkv,; a query head takes its K/V head's q descale). out has
+        out_dtype: static, bfloat16 (default), float16 or float32. Forward only: a
+        gradient through q, k, v or a descale raises NotImplementedError. No kernel takes
+        float8 yet: the call runs the reference on the dequantized inputs in float32 (with
+        a warning on a GPU). Descales and out_dtype are refused with other dtypes, other
+        float8 formats everywhere, and float8 by attention_varlen and paged_attention.
     deterministic: static bool, for the backward kernel: False (default) accumulates dq
         with atomic adds, fast, but the summation order and so the last bits of dq can
         change from run to run; True accumulates in a fixed order, bitwise reproducible
@@ -91,12 +100,18 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     """
     arrays = dict(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_lengths=q_lengths, kv_lengths=kv_lengths)
+    descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
     spec = _plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
                  return_lse=return_lse, implementation=implementation, alignment=alignment,
-                 window=window, softcap=softcap, deterministic=deterministic, **arrays)
+                 window=window, softcap=softcap, deterministic=deterministic,
+                 descales=descales, out_dtype=out_dtype, **arrays)
     arrays.update(q_lengths=_masks.clip_lengths(q_lengths, q.shape[1]),
                   kv_lengths=_masks.clip_lengths(kv_lengths, k.shape[1]))
+    if spec.out_dtype is not None:  # float8: only the reference takes it (see above)
+        q, k, v = _float8.dequantize(q, k, v, **descales)
     out, lse = _run(spec, q, k, v, **arrays)
+    if spec.out_dtype is not None:
+        out = out.astype(spec.out_dtype)
     return (out, lse) if spec.return_lse else out
 
 
@@ -181,7 +196,9 @@ def supports(q, k, v, **kwargs) -> Support:
     if varlen:
         spec = AttentionSpec.from_varlen_inputs(q, k, v, **kwargs)
     else:
-        spec = AttentionSpec.from_inputs(q, k, v, **kwargs)
+        descales = {name: kwargs.pop(name, None)
+                    for name in ("q_descale", "k_descale", "v_descale")}
+        spec = AttentionSpec.from_inputs(q, k, v, descales=descales, **kwargs)
     sizes = _path.sizes(q, k, varlen=varlen)
     ok, reason = _path.kernel_runs_here(spec, sizes)
     if ok:

@@ -53,6 +53,9 @@ class AttentionSpec:
     window_right: int | None = None  # band's right side; None: unbounded or causal
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap)
     has_sinks: bool = False
+    # float8_e4m3fn q, k, v (dequantized by their descales): out's dtype; None for the
+    # others, whose out has q's dtype.
+    out_dtype: str | None = None
     has_segment_ids: bool = False
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
@@ -84,10 +87,14 @@ class AttentionSpec:
     def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
                     alignment="bottom_right", window=None, softcap=None, sinks=None,
                     q_segment_ids=None, kv_segment_ids=None, q_lengths=None,
-                    kv_lengths=None, deterministic=False) -> AttentionSpec:
+                    kv_lengths=None, deterministic=False, descales=None,
+                    out_dtype=None) -> AttentionSpec:
         """Validates q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (arrays or
-        ShapeDtypeStructs), the feature arrays and the static arguments."""
-        dims = _validate.check_operands(q, k, v, varlen=False)
+        ShapeDtypeStructs), the feature arrays and the static arguments. `descales`
+        (name -> None or array), from callers that take float8_e4m3fn q, k, v (with
+        `out_dtype`); None refuses them."""
+        dims = _validate.check_operands(q, k, v, varlen=False, float8=descales is not None)
+        out_dtype = _validate.check_float8(dims[0], dims[4], descales or {}, out_dtype)
         batch, sq, sk = q.shape[0], q.shape[1], k.shape[1]
         _validate.check_segments_and_lengths(
             batch, sq, sk, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
@@ -98,7 +105,7 @@ class AttentionSpec:
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks,
             has_segment_ids=q_segment_ids is not None, has_q_lengths=q_lengths is not None,
-            has_kv_lengths=kv_lengths is not None,
+            has_kv_lengths=kv_lengths is not None, out_dtype=out_dtype,
             deterministic=_validate.static_bool("deterministic", deterministic))
         if (sq == 1 and spec.causal and spec.alignment == "bottom_right"
                 and spec.window_left is None):

@@ -18,9 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:
+FLOAT8 = "float8_e4m3fn"
+OUT_DTYPES = ("bfloat16", "float16", "float32")
+
+
+def check_operands(q, k, v, *, varlen: bool, float8: bool = False
+                   ) -> tuple[str, int, int, int, int]:
     """Checks q (B, Sq, Hq, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) (no B in varlen);
-    -> (dtype, D, Dv, Hq, Hkv)."""
+    -> (dtype, D, Dv, Hq, Hkv). float8_e4m3fn inputs only where the caller takes them
+    (`float8`: `attention`, with descales), no other float8 format anywhere."""
     rank, legend = (3, "(total, H, D)") if varlen else (4, "(B, S, H, D)")
     for name, x in (("q", q), ("k", k), ("v", v)):
         if not is_array(x):
@@ -56,7 +62,41 @@ def check_operands(q, k, v, *, varlen: bool) -> tuple[str, int, int, int, int]:
     (dtype,) = dtypes
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"q, k, v must have a floating-point dtype; got {dtype}")
+    if dtype.name.startswith("float8"):
+        if dtype.name != FLOAT8:
+            raise ValueError(f"float8 q, k, v must be {FLOAT8}; got {dtype}")
+        if not float8:
+            raise ValueError(f"{FLOAT8} q, k, v: only jax_fa4.attention takes them "
+                             "(forward only, with q_descale, k_descale, v_descale)")
     return dtype.name, head_dim, head_dim_v, heads_q, heads_kv
+
+
+def check_float8(dtype: str, heads_kv: int, descales: dict, out_dtype) -> str | None:
+    """float8_e4m3fn q, k, v: descales (name -> None or a float32 array of shape () or
+    (Hkv,), per K/V head) and out_dtype (None: bfloat16; or one of OUT_DTYPES); other
+    dtypes take neither. -> the out dtype's name, None for q's dtype."""
+    if dtype != FLOAT8:
+        given = [name for name, x in (*descales.items(), ("out_dtype", out_dtype))
+                 if x is not None]
+        if given:
+            raise ValueError(f"{', '.join(given)}: for {FLOAT8} q, k, v only; got {dtype}")
+        return None
+    for name, x in descales.items():
+        if x is not None and not (is_array(x) and tuple(x.shape) in ((), (heads_kv,))
+                                  and jnp.dtype(x.dtype) == jnp.float32):
+            raise ValueError(f"{name} must be None or a float32 array of shape () or "
+                             f"(Hkv,) = ({heads_kv},); got {describe(x)}")
+    out = "bfloat16" if out_dtype is None else _dtype_name(out_dtype)
+    if out not in OUT_DTYPES:
+        raise ValueError(f"out_dtype must be one of {OUT_DTYPES}; got {out_dtype!r}")
+    return out
+
+
+def _dtype_name(x) -> str | None:
+    try:
+        return jnp.dtype(x).name
+    except TypeError:
+        return None
 
 
 def check_segments_and_lengths(batch, seqlen_q, seqlen_k, *, q_segment_ids,

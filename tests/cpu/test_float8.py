@@ -1,0 +1,137 @@
+"""float8_e4m3fn q, k, v with descales (jax_fa4.attention): the dequantized problem's
+attention, out in out_dtype, forward only, and the refusals around it. No kernel takes
+float8 yet, so these run the reference on every platform."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+
+E4M3 = jnp.float8_e4m3fn
+B, SQ, SK, HQ, HKV, D = 2, 24, 40, 4, 2, 32
+
+
+def quantized(seed, shape, heads_kv_scales):
+    """(x in e4m3, descale): x * descale is the float32 tensor it stands for."""
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32)
+    descale = jnp.asarray(heads_kv_scales, jnp.float32)
+    head_scale = descale if descale.ndim == 0 else jnp.repeat(descale, shape[2] // HKV)
+    return (x / head_scale[..., None]).astype(E4M3), descale
+
+
+def dense(x, descale):
+    """The float32 tensor e4m3 x and its descale stand for, written independently of
+    jax_fa4 (per K/V head descales expand over each group's query heads)."""
+    scale = np.asarray(descale, np.float32)
+    if scale.ndim:
+        scale = np.repeat(scale, x.shape[2] // HKV)[:, None]
+    return np.asarray(x.astype(jnp.float32)) * scale
+
+
+@pytest.mark.parametrize("scales", [2.5, [0.5, 4.0]], ids=["per_tensor", "per_kv_head"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_float8_is_the_dequantized_attention(scales, causal):
+    q, qd = quantized(0, (B, SQ, HQ, D), scales)
+    k, kd = quantized(1, (B, SK, HKV, D), scales)
+    v, vd = quantized(2, (B, SK, HKV, D), scales)
+    out = jax.jit(lambda *a: jax_fa4.attention(*a[:3], q_descale=a[3], k_descale=a[4],
+                                               v_descale=a[5], causal=causal)
+                  )(q, k, v, qd, kd, vd)
+    assert out.dtype == jnp.bfloat16 and out.shape == (B, SQ, HQ, D)
+    want = _attention(dense(q, qd), dense(k, kd), dense(v, vd), causal)
+    # out is bf16: within its rounding of the float64 result.
+    np.testing.assert_allclose(np.asarray(out, np.float32), want, rtol=8e-3, atol=8e-3)
+
+
+def _attention(q, k, v, causal):
+    """Softmax attention in numpy float64, causal bottom-right aligned (query i sees the
+    keys j <= i + Sk - Sq)."""
+    k = np.repeat(k, HQ // HKV, axis=2).astype(np.float64)
+    v = np.repeat(v, HQ // HKV, axis=2).astype(np.float64)
+    s = np.einsum("bqhd,bkhd->bhqk", q.astype(np.float64), k) / np.sqrt(D)
+    if causal:
+        visible = np.arange(SK)[None, :] <= np.arange(SQ)[:, None] + SK - SQ
+        s = np.where(visible, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float16, jnp.float32, "bfloat16"])
+def test_float8_out_dtype(out_dtype):
+    q, k = jnp.ones((1, 4, 2, 16), E4M3), jnp.ones((1, 8, 2, 16), E4M3)
+    out, lse = jax_fa4.attention(q, k, k, out_dtype=out_dtype, return_lse=True)
+    assert out.dtype == jnp.dtype(out_dtype) and lse.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(out, np.float32), 1.0)
+
+
+def test_float8_is_forward_only():
+    q, k = jnp.ones((1, 4, 2, 16), E4M3), jnp.ones((1, 8, 2, 16), E4M3)
+    descale = jnp.float32(1.0)
+    for argnums in (0, 3):
+        with pytest.raises(NotImplementedError, match="forward only"):
+            jax.grad(lambda q, k, v, d: jnp.sum(jax_fa4.attention(q, k, v, q_descale=d)),
+                     argnums=argnums)(q, k, k, descale)
+    # Sinks are no float8 input: their gradient is defined.
+    sinks_grad = jax.grad(lambda s: jnp.sum(jax_fa4.attention(q, k, k, sinks=s)))(
+        jnp.zeros((2,), jnp.float32))
+    assert np.all(np.isfinite(np.asarray(sinks_grad)))
+
+
+def sds(*shape, dtype=E4M3):
+    return jax.ShapeDtypeStruct(shape, dtype)
+
+
+Q8, KV8 = sds(2, 16, 4, 64), sds(2, 24, 2, 64)
+
+
+@pytest.mark.parametrize("call,match", [
+    (lambda: jax_fa4.attention(sds(2, 16, 4, 64, dtype=jnp.bfloat16),
+                               sds(2, 24, 2, 64, dtype=jnp.bfloat16),
+                               sds(2, 24, 2, 64, dtype=jnp.bfloat16),
+                               q_descale=sds(dtype=jnp.float32)),
+     r"q_descale: for float8_e4m3fn q, k, v only; got bfloat16"),
+    (lambda: jax_fa4.attention(sds(2, 16, 4, 64, dtype=jnp.float16),
+                               sds(2, 24, 2, 64, dtype=jnp.float16),
+                               sds(2, 24, 2, 64, dtype=jnp.float16), out_dtype=jnp.float32),
+     r"out_dtype: for float8_e4m3fn q, k, v only; got float16"),
+    (lambda: jax_fa4.attention(sds(2, 16, 4, 64, dtype=jnp.float8_e5m2),
+                               sds(2, 24, 2, 64, dtype=jnp.float8_e5m2),
+                               sds(2, 24, 2, 64, dtype=jnp.float8_e5m2)),
+     r"float8 q, k, v must be float8_e4m3fn; got float8_e5m2"),
+    (lambda: jax_fa4.attention(Q8, KV8, KV8, k_descale=sds(4, dtype=jnp.float32)),
+     r"k_descale must be None or a float32 array of shape \(\) or \(Hkv,\) = \(2,\); "
+     r"got float32 array of shape \(4,\)"),
+    (lambda: jax_fa4.attention(Q8, KV8, KV8, v_descale=sds(dtype=jnp.bfloat16)),
+     r"v_descale must be None or a float32 array"),
+    (lambda: jax_fa4.attention(Q8, KV8, KV8, v_descale=2.0),
+     r"v_descale must be None or a float32 array"),
+    (lambda: jax_fa4.attention(Q8, KV8, KV8, out_dtype=jnp.int8),
+     r"out_dtype must be one of \('bfloat16', 'float16', 'float32'\); got"),
+    (lambda: jax_fa4.attention(Q8, KV8, KV8, out_dtype="float8"),
+     r"out_dtype must be one of"),
+    (lambda: jax_fa4.attention(Q8, KV8, KV8, implementation="cute"),
+     r"implementation='cute' takes bfloat16 or float16 inputs; got float8_e4m3fn"),
+    (lambda: jax_fa4.attention_varlen(
+        sds(16, 4, 64), sds(24, 2, 64), sds(24, 2, 64),
+        cu_seqlens_q=sds(3, dtype=jnp.int32), cu_seqlens_k=sds(3, dtype=jnp.int32),
+        max_seqlen_q=16, max_seqlen_k=24),
+     r"float8_e4m3fn q, k, v: only jax_fa4.attention takes them"),
+    (lambda: jax_fa4.paged_attention(
+        sds(2, 1, 4, 64), sds(8, 16, 2, 64), sds(8, 16, 2, 64),
+        sds(2, 4, dtype=jnp.int32), sds(2, dtype=jnp.int32)),
+     r"float8_e4m3fn q, k, v: only jax_fa4.attention takes them"),
+])
+def test_float8_refusals(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+def test_float8_supports_says_the_reference_runs():
+    support = jax_fa4.supports(Q8, KV8, KV8, q_descale=sds(dtype=jnp.float32))
+    assert support == (False, "dtype float8_e4m3fn has no kernel; the kernels take "
+                       "bfloat16 or float16; implementation=None runs the pure-JAX "
+                       "reference (O(Sq * Sk) memory per head)")
+    assert support.path == "reference"
