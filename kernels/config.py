@@ -26,9 +26,9 @@ ARCHS = ("sm_90a",)
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
 # register file holds 64K 32-bit registers; the producer warpgroup keeps the minimum.
 PRODUCER_REGS = 24
+CONSUMER_REGS = {2: 240, 3: 160}
 # Tile schedules of the forward (Tile.schedule).
 SCHEDULES = ("tile", "static", "dynamic")
-CONSUMER_REGS = {2: 240, 3: 160}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,16 +122,17 @@ _TILES = {
 #   _start_turns) ran 0.01-0.05 below it in every cell. Left out: D 192 / Dv 128 (0.85 /
 #   0.95 / 1.01 / 0.96), and segment kernels (8 packed documents at d128, 16k: 0.87,
 #   causal 0.91), which keep _TILES: persistent, with any order, Q stages or ping-pong,
-#   their ptxas serializes wgmma (C7514: the S accumulator is copied between k-steps of
-#   _step's QK chain), one CTA per tile does not. d256 at 512 tokens runs 9% slower (one Q buffer:
-#   the next tile's Q cannot land early), taken for the gain from 2k to 8k. Before
+#   their ptxas serializes wgmma (C7514; the runtime branch on the plan's masked flag
+#   inside _step), one CTA per tile does not. d256 at 512 tokens runs 9% slower (one Q
+#   buffer: the next tile's Q cannot land early), taken for the gain from 2k to 8k. Before
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
 _DYNAMIC_BANDED = {
     head_dim: dataclasses.replace(tile, pingpong=False, schedule="dynamic",
                                   q_stages=1 if head_dim == 256 else 2)
-    for (head_dim, banded), tile in _TILES.items() if banded and head_dim in (64, 96, 128, 256)
+    for (head_dim, banded), tile in _TILES.items()
+    if banded and head_dim in (64, 96, 128, 256)
 }
 
 
