@@ -245,14 +245,6 @@ class BwdTile:
     q_stages: int
     split_head_dim: bool = False
     consumers: int = 2
-    # Banded atomic launches: CTAs in groups of K/V heads whose queries' Q and dO fit in
-    # L2 (kernels/sm90/schedule.py in_l2_groups), key block 0 (the longest) first in
-    # each; otherwise every head's key block 0, then every head's block 1, ...
-    l2_groups: bool = False
-    # Programmatic dependent launch: the main kernel and the postprocess are launched
-    # while the kernel before them runs, and wait (griddepcontrol.wait) only before
-    # reading its results, so their launch and prologue overlap its tail.
-    pdl: bool = False
 
     @property
     def dq_parts(self) -> int:

@@ -19,8 +19,8 @@ def in_grid_order(t, extent_x, heads):
 
 def pairs_per_group(pairs, length, position_bytes, mn=min, mx=max):
     """How many of the `pairs` (head, batch) pairs go in one group: as many whose reused
-    operands (`length` positions of `position_bytes` bytes: the forward's K and V, the
-    backward's Q and dO) fit in L2_BYTES; at least 1."""
+    operands (`length` positions of `position_bytes` bytes: the forward's K and V) fit
+    in L2_BYTES; at least 1."""
     return mx(mn((L2_BYTES // position_bytes) // mx(length, 1), pairs), 1)
 
 

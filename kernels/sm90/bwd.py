@@ -66,7 +66,7 @@ from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels.config import BwdConfig
-from kernels.sm90 import mask, schedule, segments, softcap, wgmma
+from kernels.sm90 import mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 
 WARPGROUP = 128
@@ -184,8 +184,6 @@ class BwdSm90:
         self.tile_m = cfg.tile.m
         self.tile_n = cfg.tile.n
         self.q_stages = cfg.tile.q_stages
-        self.l2_groups = cfg.tile.l2_groups
-        self.pdl = cfg.tile.pdl
         self.consumers = cfg.tile.consumers
         assert self.tile_n == KEYS_PER_CONSUMER * self.consumers or cfg.tile.split_head_dim
         self.threads = WARPGROUP * (1 + self.consumers)
@@ -233,7 +231,7 @@ class BwdSm90:
         )
         self.postprocess(mdQaccum, mdQ, scale).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
-            stream=stream, use_pdl=self.pdl,
+            stream=stream,
         )
 
     # ------------------------------------------------------------------ preprocess
@@ -253,9 +251,6 @@ class BwdSm90:
         two for the shuffle reduction; the extra lanes add 0), 8 head dims (16 bytes of O
         and of dO) each, so a warp reads whole rows; then the tile's dQ accumulator is
         zeroed 16 bytes per thread, a warp writing 512 contiguous bytes."""
-        if cutlass.const_expr(self.pdl):
-            # The main kernel may start launching: it waits for this grid's results.
-            cute.arch.griddepcontrol_launch_dependents()
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mO.shape[1]
@@ -304,8 +299,6 @@ class BwdSm90:
         accumulator is read in quads (one thread per (consumer, thread) of the main
         kernel's dQ fragment) into a (tile_m, D) tile; the tile is written 16 bytes per
         thread, whole rows per warp."""
-        if cutlass.const_expr(self.pdl):
-            cute.arch.griddepcontrol_wait()  # the main kernel's dQ accumulator
         tidx, _, _ = cute.arch.thread_idx()
         m_block, head, batch = cute.arch.block_idx()
         seqlen_q = mdQ.shape[1]
@@ -404,8 +397,7 @@ class BwdSm90:
             tma_atom_dv, tma_dv, mdQaccum, mSem, mRows, mKeys, mPlan, scale_log2, scale,
             deterministic, band_lo, band_hi, softcap_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
-                 use_pdl=self.pdl)
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
 
     def _k_major_layout(self, rows: int, cols: int, stages: int, parts: int):
         """(rows, cols, stages) 16-bit shared memory, cols contiguous, with the widest
@@ -477,8 +469,7 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, kv_head, batch = self._block_coords(deterministic, tma_q.shape[0],
-                                                     tma_q.shape[2])
+        n_block, kv_head, batch = self._block_coords(deterministic)
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -501,11 +492,6 @@ class BwdSm90:
         do_producer, do_consumer = self._ring(storage.do_mbar.data_ptr(), self.do_bytes)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.pdl):
-            # The preprocess's LSE2, Dsum, zeroed accumulator and semaphores; then the
-            # postprocess may start launching (it waits for this grid in turn).
-            cute.arch.griddepcontrol_wait()
-            cute.arch.griddepcontrol_launch_dependents()
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
@@ -681,7 +667,7 @@ class BwdSm90:
         return m
 
     @cute.jit
-    def _block_coords(self, deterministic: Int32, seqlen_q: Int32, heads: Int32):
+    def _block_coords(self, deterministic: Int32):
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head, batch = x, y, z
@@ -693,14 +679,6 @@ class BwdSm90:
                 n_block = n_blocks - 1 - x
             else:
                 n_block, kv_head = y, x
-                if cutlass.const_expr(self.l2_groups):
-                    heads_kv, n_blocks, batches = cute.arch.grid_dim()
-                    grid = schedule.Grid(n_blocks, heads_kv, batches)
-                    # A K/V head's CTAs all read its query heads' Q and dO rows.
-                    row_bytes = (2 * (self.head_dim + self.head_dim_v)) * (heads // heads_kv)
-                    group = schedule.pairs_per_group(grid, seqlen_q, row_bytes)
-                    n_block, kv_head, batch = schedule.in_l2_groups(
-                        grid, group, x + heads_kv * (y + n_blocks * z))
         return n_block, kv_head, batch
 
     @cute.jit
