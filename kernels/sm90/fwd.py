@@ -68,7 +68,7 @@ from cutlass.tensor_utils import LayoutEnum
 from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
 from kernels.sm90 import mask, paged, schedule, segments, softcap, wgmma
-from kernels.sm90.fragments import acc_as_operand_a, rows_cols
+from kernels.sm90.fragments import acc_as_operand_a, convert, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
 WARPGROUP = 128
@@ -619,7 +619,7 @@ class FwdSm90:
                 softcap.cap_scores(s_rc, softcap_scale)
             self._mask(s_rc, coord_s, row0, n_last, run, seg, first_masked)
             softmax.step(s_rc, o_scale)
-            r_p.store(acc_s.load().to(self.dtype))
+            convert(acc_s, r_p)
 
             if cutlass.const_expr(self.segments):
                 for i in cutlass.range(1, n_end, unroll=1):
@@ -687,7 +687,7 @@ class FwdSm90:
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         v_handle.release()
-        r_p.store(acc_s.load().to(self.dtype))
+        convert(acc_s, r_p)
         return k_consumer, v_consumer
 
     @cute.jit
