@@ -5,6 +5,7 @@ mode (0,0) steps one column, mode (0,1) steps 8 rows, mode (0,2) steps 8 columns
 4 threads of a quad (lanes 4k..4k+3) share the same two rows.
 """
 
+import cutlass
 import cutlass.cute as cute
 
 
@@ -30,3 +31,18 @@ def acc_as_operand_a(acc_layout: cute.Layout) -> cute.Layout:
         ((2, 2, 2), 1, v_blk // 2),
         stride=((d_col, d_row, d_blk), 0, 2 * d_blk),
     )
+
+
+def convert(src: cute.Tensor, dst: cute.Tensor, piece: int = 8):
+    """dst = src in dst's element type, `piece` values at a time; src and dst share one
+    compact register layout. Converted whole, a 40-value fragment (d256's 80-key
+    tiles) came out of the compiler one cvt per value, packed into pairs just before
+    each wgmma, where ptxas then fenced the PV GEMM at every k-step (C7519); pieces of
+    8 convert in pairs (cvt.rn.bf16x2.f32) and leave the wgmma unfenced."""
+    n = cute.size(src)
+    assert n % piece == 0 and cute.size(dst) == n, (n, piece)
+    pieces = cute.make_layout((piece, n // piece))
+    src_flat = cute.make_tensor(src.iterator, pieces)
+    dst_flat = cute.make_tensor(dst.iterator, pieces)
+    for j in cutlass.range_constexpr(n // piece):
+        dst_flat[None, j].store(src_flat[None, j].load().to(dst.element_type))

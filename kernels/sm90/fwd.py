@@ -68,7 +68,7 @@ from cutlass.tensor_utils import LayoutEnum
 from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
 from kernels.sm90 import mask, paged, schedule, segments, softcap, wgmma
-from kernels.sm90.fragments import acc_as_operand_a, rows_cols
+from kernels.sm90.fragments import acc_as_operand_a, convert, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
 WARPGROUP = 128
@@ -617,28 +617,39 @@ class FwdSm90:
             s_rc = rows_cols(acc_s)
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
-            self._mask(s_rc, coord_s, row0, n_last, run, seg, first_masked)
+            if cutlass.const_expr(self.segments):
+                if first_masked != 0:
+                    self._mask(s_rc, coord_s, row0, n_last, run, seg)
+            else:
+                self._mask(s_rc, coord_s, row0, n_last, run, seg)
             softmax.step(s_rc, o_scale)
-            r_p.store(acc_s.load().to(self.dtype))
+            convert(acc_s, r_p)
 
             if cutlass.const_expr(self.segments):
                 for i in cutlass.range(1, n_end, unroll=1):
                     n_block, masked = segments.visit(seg.plan_row, i)
-                    k_consumer, v_consumer = self._step(
-                        True, n_block, masked, tiles, run, seg, k_consumer, v_consumer)
+                    # A branch on the plan's flag around the whole step, not around
+                    # the mask inside it: there, between the QK wgmma and its wait,
+                    # it made ptxas serialize the wgmma of persistent kernels (C7514).
+                    if masked != 0:
+                        k_consumer, v_consumer = self._step(
+                            True, n_block, tiles, run, seg, k_consumer, v_consumer)
+                    else:
+                        k_consumer, v_consumer = self._step(
+                            False, n_block, tiles, run, seg, k_consumer, v_consumer)
             else:
                 # Downwards: the rest of the top masked blocks, the whole ones, and the
                 # ones the band's left edge cuts.
                 for i in cutlass.range(masked_end - 1, unroll=1):
                     k_consumer, v_consumer = self._step(
-                        True, n_last - 1 - i, 1, tiles, run, seg, k_consumer, v_consumer)
+                        True, n_last - 1 - i, tiles, run, seg, k_consumer, v_consumer)
                 n_whole_top = n_end - masked_end - 1
                 for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
                     k_consumer, v_consumer = self._step(
-                        False, n_whole_top - i, 1, tiles, run, seg, k_consumer, v_consumer)
+                        False, n_whole_top - i, tiles, run, seg, k_consumer, v_consumer)
                 for i in cutlass.range(masked_begin, unroll=1):
                     k_consumer, v_consumer = self._step(
-                        True, n_begin + masked_begin - 1 - i, 1, tiles, run, seg, k_consumer,
+                        True, n_begin + masked_begin - 1 - i, tiles, run, seg, k_consumer,
                         v_consumer)
 
             # PV of the last visited block.
@@ -660,11 +671,12 @@ class FwdSm90:
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit
-    def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, masked: Int32, tiles,
+    def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, tiles,
               run: Scalars, seg, k_consumer, v_consumer):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
         overlapping the PV product (j = n_block; P_{j+1} is in r_p); returns the advanced
-        ring consumers. Segment variants mask when the plan's `masked` flag says so."""
+        ring consumers. is_masked: element masking (segment variants: the plan flags
+        the block)."""
         thr_qk, s_shape, tSrQ, tSrK = tiles.thr_qk, tiles.s_shape, tiles.tSrQ, tiles.tSrK
         tOrV, tOrP, r_p, acc_o = tiles.tOrV, tiles.tOrP, tiles.r_p, tiles.acc_o
         coord_s, softmax, o_scale = tiles.coord_s, tiles.softmax, tiles.o_scale
@@ -683,11 +695,11 @@ class FwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores(s_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask(s_rc, coord_s, row0, n_block, run, seg, masked)
+            self._mask(s_rc, coord_s, row0, n_block, run, seg)
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         v_handle.release()
-        r_p.store(acc_s.load().to(self.dtype))
+        convert(acc_s, r_p)
         return k_consumer, v_consumer
 
     @cute.jit
@@ -752,16 +764,14 @@ class FwdSm90:
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _mask(self, s_rc, coord_s, row0: Int32, n_block: Int32, run: Scalars, seg,
-              masked: Int32):
+    def _mask(self, s_rc, coord_s, row0: Int32, n_block: Int32, run: Scalars, seg):
         """Element masking of key block n_block: the band's, or, in segment variants,
-        the per-row ranges and ids' when the plan flags the block (`masked`)."""
+        the per-row ranges and ids' (called for the blocks the plan flags)."""
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         col0 = n_block * self.tile_n
         if cutlass.const_expr(self.segments):
-            if masked != 0:
-                segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
-                                    seg.seqlen_q, seqlen_k)
+            segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
+                                seg.seqlen_q, seqlen_k)
         else:
             mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.banded)
 
