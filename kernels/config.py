@@ -111,7 +111,7 @@ _TILES = {
     (192, False): Tile(m=128, n=128, kv_stages=2, rescale_threshold=_RESCALE),
     (192, True): Tile(m=128, n=128, kv_stages=2),
 }
-# Banded kernels that read a plain band (no segment plan, no split, no pages): the
+# Banded kernels without a split or pages (a plain band or a segment plan): the
 # "dynamic" order, longest tiles first, with ping-pong off. Speed against _TILES' one
 # CTA per tile with ping-pong (H100, 2026-11-25, bench.run, builds alternated twice in
 # one call), causal at 512 / 2k / 8k / 16k:
@@ -120,11 +120,18 @@ _TILES = {
 #   d128 window 1024 at 2k / 8k 1.12 / 1.09; GQA 32 / 8 at 2k / 8k 1.12 / 1.06; softcap
 #   at 2k 1.13. The same order with ping-pong on (its tile start gated: fwd.py
 #   _start_turns) ran 0.01-0.05 below it in every cell. Left out: D 192 / Dv 128 (0.85 /
-#   0.95 / 1.01 / 0.96), and segment kernels (8 packed documents at d128, 16k: 0.87,
-#   causal 0.91), which keep _TILES: persistent, with any order, Q stages or ping-pong,
-#   their ptxas serializes wgmma (C7514; the runtime branch on the plan's masked flag
-#   inside _step), one CTA per tile does not. d256 at 512 tokens runs 9% slower (one Q
-#   buffer: the next tile's Q cannot land early), taken for the gain from 2k to 8k. Before
+#   0.95 / 1.01 / 0.96). Segment kernels joined once their step branches on the plan's
+#   masked flag around the whole step (fwd.py; inside it, ptxas serialized the wgmma
+#   of every persistent segment kernel, C7514): 8 packed documents per row, against
+#   one CTA per tile with the branch inside (H100, 2026-11-25, alternated twice in one
+#   call), rows of 16k (documents of 2k) / 4k (of 512), without a mask and causal:
+#     d64   0.93 / 1.11, causal 1.01 / 1.15       d128  1.16 / 1.17, causal 1.18 / 1.18-1.20
+#     d96   0.98-0.99 (16k), causal 1.02 (16k)    d256  0.98 (16k), causal 1.00 (16k)
+#   The whole-step branch with one CTA per tile gave d128 1.11-1.13 and d64 0.93-0.94
+#   (16k). Taken for every head dim: d64's and d256's losses are at 2k documents
+#   without a mask, d64's gain at 512-token documents is larger.
+#   d256 at 512 tokens runs 9% slower (one Q buffer: the next tile's Q cannot land
+#   early), taken for the gain from 2k to 8k. Before
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
@@ -226,8 +233,11 @@ class FwdConfig(_KernelConfig):
     def tile(self) -> Tile:
         """Split variants (chosen when the tiles do not fill the GPU) and paged ones
         (the page walk's registers and a persistent loop spill and serialize wgmma:
-        ptxas C7514) run one CTA per tile: they are segment or split kernels."""
-        if self.banded and not (self.segments or self.split) and self.head_dim in _DYNAMIC_BANDED:
+        ptxas C7514) run one CTA per tile, with _TILES' ping-pong and two K/V stages:
+        against them, a decode step (batch 1, 32 / 8 heads of 128; H100, 2026-11-25,
+        alternated twice in one call) ran 0.92-0.93 at 8k keys and 0.99 at 128k with
+        ping-pong off, 0.91 / 0.98 with three K/V stages (d <= 128) on top."""
+        if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         return _TILES[(self.head_dim, self.banded)]
 

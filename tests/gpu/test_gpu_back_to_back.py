@@ -20,6 +20,18 @@ pytestmark = pytest.mark.gpu
 SEQLEN = 512
 
 
+def _assert_calls_match_one(f, args, pattern):
+    """40 calls of f in flight, or 100 each waited for, all equal to one call alone."""
+    alone = jax.block_until_ready(f(*args))
+    same = jax.jit(lambda a, b: jnp.array_equal(a[0], b[0]) & jnp.array_equal(a[1], b[1]))
+    if pattern == "in_flight":
+        results = [f(*args) for _ in range(40)]
+    else:
+        results = [jax.block_until_ready(f(*args)) for _ in range(100)]
+    mismatched = [i for i, r in enumerate(results) if not bool(same(r, alone))]
+    assert not mismatched, f"calls {mismatched} differ from a single call"
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("pattern", ["in_flight", "one_by_one"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -29,11 +41,22 @@ def test_back_to_back_forwards_match_a_single_call(fa, head_dim, causal, pattern
     q, k, v, _, _ = fa.problem(7, "bfloat16", batch, SEQLEN, SEQLEN, heads, heads, head_dim)
     f = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
                                                   implementation="cute"))
-    alone = jax.block_until_ready(f(q, k, v))
-    same = jax.jit(lambda a, b: jnp.array_equal(a[0], b[0]) & jnp.array_equal(a[1], b[1]))
-    if pattern == "in_flight":
-        results = [f(q, k, v) for _ in range(40)]
-    else:
-        results = [jax.block_until_ready(f(q, k, v)) for _ in range(100)]
-    mismatched = [i for i, r in enumerate(results) if not bool(same(r, alone))]
-    assert not mismatched, f"calls {mismatched} differ from a single call"
+    _assert_calls_match_one(f, (q, k, v), pattern)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("pattern", ["in_flight", "one_by_one"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_back_to_back_packed_documents_match_a_single_call(fa, head_dim, causal, pattern):
+    """The segment kernels (4 documents per 512-token row, one of them not on a tile
+    boundary, so that some blocks are element-masked and some not)."""
+    batch, heads = 16384 // SEQLEN, 2048 // head_dim
+    q, k, v, _, _ = fa.problem(8, "bfloat16", batch, SEQLEN, SEQLEN, heads, heads, head_dim)
+    starts = jnp.array([0, 128, 200, 384])
+    ids = jnp.broadcast_to(jnp.searchsorted(starts, jnp.arange(SEQLEN), side="right"),
+                           (batch, SEQLEN)).astype(jnp.int32)
+    f = jax.jit(lambda q, k, v: jax_fa4.attention(
+        q, k, v, causal=causal, q_segment_ids=ids, kv_segment_ids=ids, return_lse=True,
+        implementation="cute"))
+    _assert_calls_match_one(f, (q, k, v), pattern)
