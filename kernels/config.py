@@ -26,7 +26,7 @@ ARCHS = ("sm_90a",)
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
 # register file holds 64K 32-bit registers; the producer warpgroup keeps the minimum.
 PRODUCER_REGS = 24
-CONSUMER_REGS = {2: 240, 3: 160}
+CONSUMER_REGS = {1: 240, 2: 240, 3: 160}
 # Tile schedules of the forward (Tile.schedule).
 SCHEDULES = ("tile", "static", "dynamic")
 
@@ -233,12 +233,19 @@ class FwdConfig(_KernelConfig):
     def tile(self) -> Tile:
         """Split variants (chosen when the tiles do not fill the GPU) and paged ones
         (the page walk's registers and a persistent loop spill and serialize wgmma:
-        ptxas C7514) run one CTA per tile, with _TILES' ping-pong and two K/V stages:
-        against them, a decode step (batch 1, 32 / 8 heads of 128; H100, 2026-11-25,
-        alternated twice in one call) ran 0.92-0.93 at 8k keys and 0.99 at 128k with
-        ping-pong off, 0.91 / 0.98 with three K/V stages (d <= 128) on top."""
+        ptxas C7514) run one CTA per tile. Split tiles have 64 rows, one consumer
+        warpgroup: a decode step's packed rows (a group's query heads, 4 for 32 / 8
+        heads) fill less than one, and a second consumer only adds MMA on padding and
+        its share of the issue slots. Against _TILES' 128 rows with ping-pong, a decode
+        step (32 / 8 heads of 128 unless said; H100, 2026-11-25, alternated twice in
+        one call): batch 1 1.21x at 8k keys, 1.01x at 128k; batch 4 at 32k 1.00x, d64
+        1.01-1.02x. Also measured there: three K/V stages on top (d <= 128) 1.21x /
+        0.99x, batch 4 0.98-0.99x; 128 rows with ping-pong off 0.92-0.93x / 0.99x, and
+        with three K/V stages 0.91x / 0.98x."""
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
+        if self.split:
+            return dataclasses.replace(_TILES[(self.head_dim, True)], m=64, pingpong=False)
         return _TILES[(self.head_dim, self.banded)]
 
 
