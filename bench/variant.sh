@@ -13,8 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 name=${1:?usage: variant.sh NAME 'python edit of s, the text of kernels/config.py'}
 edit=${2-}
-python=${PYTHON:-.venv/bin/python}
 root=$(pwd)
+python=${PYTHON:-.venv/bin/python}
+# The build runs in a copy of the tree: a relative interpreter path is this tree's.
+case $python in */*) [ "${python#/}" != "$python" ] || python=$root/$python ;; esac
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 git ls-files -co --exclude-standard | tar cf - -T - | tar xf - -C "$work"
