@@ -4,6 +4,7 @@ dense cache on jax.nn (cuDNN on a GPU, XLA on a CPU), the same weights and promp
     python examples/generate.py --preset gpu --batch 1
     python examples/generate.py --preset gpu --batch 32 --page-size 64
     python examples/generate.py --preset cpu                 # seconds, both on XLA / reference
+    python examples/generate.py --preset gpu --batch 32 --profile   # kernels of one step
 
 Each run prefills the prompt once (causal attention over the prompt's own keys and
 values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which also fill the cache),
@@ -19,6 +20,10 @@ timed runs after a warm-up) and how many generated tokens agree.
 The weights are random (this measures decoding, not a trained model): greedy decoding
 then lands on ties now and then, where the two paths' roundings can pick different
 tokens, so the agreement printed is a sanity check, not an equality.
+
+--profile prints, instead, the GPU kernels of one decode step (at the prompt's length)
+of each model, summed by kernel name (CUPTI through JAX's Mosaic GPU profiler), to see
+where the two steps' time differs.
 """
 
 import argparse
@@ -203,6 +208,29 @@ def timed(fn, *args, repeats):
     return result, statistics.median(times)
 
 
+def profile_step(cfg: Config, params, model, iterations=20):
+    """[(kernel, launches, us)] of one decode step at the prompt's length, summed by
+    kernel name, longest first (CUPTI median per kernel over the iterations)."""
+    from jax.experimental.mosaic.gpu import profiler
+
+    token = jnp.zeros((cfg.batch, 1), jnp.int32)
+    position = jnp.full((cfg.batch, 1), cfg.prompt)
+
+    def step(params, token, caches):
+        return forward(cfg, params, token, position, caches,
+                       lambda c, k, v: model.write(cfg.prompt, c, k, v),
+                       lambda q, k, v, c: model.attend(cfg.prompt, q, c))
+
+    _, calls = profiler.measure(jax.jit(step), aggregate=False, iterations=iterations)(
+        params, token, model.empty())
+    totals = {}
+    for i, (name, _) in enumerate(calls[0]):
+        short = name.split("_object_at_")[0].removeprefix("kernel_cutlass_")[:60]
+        launches, us = totals.get(short, (0, 0.0))
+        totals[short] = (launches + 1, us + 1e3 * statistics.median(c[i][1] for c in calls))
+    return sorted(((k, n, us) for k, (n, us) in totals.items()), key=lambda r: -r[2])
+
+
 def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -214,6 +242,8 @@ def parse(argv):
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="append a JSON record of the run to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="print the GPU kernels of one decode step per model instead")
     args = ap.parse_args(argv)
     values = {**PRESETS[args.preset],
               **{k: v for k, v in vars(args).items() if k in PRESETS["cpu"] and v is not None}}
@@ -231,9 +261,20 @@ def main(argv=None) -> dict:
     prompts = jax.random.randint(k_prompt, (cfg.batch, cfg.prompt), 0, cfg.vocab, jnp.int32)
     dense_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     print(f"# {jax.devices()[0].device_kind}: {cfg}")
+    models = (("jax_fa4 paged", Paged(cfg, k_pages)),
+              (f"jax.nn {dense_impl} dense", Dense(cfg, dense_impl)))
+    if args.profile:
+        if jax.default_backend() != "gpu":
+            raise SystemExit("--profile times GPU kernels: it needs a GPU")
+        for name, model in models:
+            rows = profile_step(cfg, params, model)
+            print(f"{name}: one step {sum(us for *_, us in rows):.1f} us "
+                  f"in {sum(n for _, n, _ in rows)} kernels")
+            for kernel, launches, us in rows:
+                print(f"  {us:9.1f} us  {launches:3d} x  {kernel}")
+        return {}
     runs = {}
-    for name, model in (("jax_fa4 paged", Paged(cfg, k_pages)),
-                        (f"jax.nn {dense_impl} dense", Dense(cfg, dense_impl))):
+    for name, model in models:
         fn = jax.jit(lambda params, prompts, model=model: generate(cfg, params, prompts, model))
         tokens, seconds = timed(fn, params, prompts, repeats=args.repeats)
         runs[name] = (np.asarray(tokens), seconds)
