@@ -511,9 +511,10 @@ class FwdSm90:
             v_ring = cute.make_tensor(sV.iterator, v_pieces.outer)
 
             def load_paged(producer, block, atom, tma_cache, ring, box, keys_major):
+                pages = paged.block_pages(block, cache, self.tile_n)
                 handle = producer.acquire_and_advance()
-                paged.load_block(atom, tma_cache, ring, handle.index * pieces, block, cache,
-                                 self.tile_n, box, keys_major, handle.barrier)
+                paged.load_block(atom, tma_cache, ring, handle.index * pieces, block, pages,
+                                 cache, self.tile_n, box, keys_major, handle.barrier)
                 return producer
 
             return (lambda producer, block: load_paged(producer, block, tma_atom_k, tma_k,
