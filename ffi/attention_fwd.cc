@@ -10,10 +10,14 @@
 // variant). Three more int32 operands after v select the segment variant of the banded
 // kernel: rows (..., 3, Sq), keys (..., Sk) and the plan (..., query tiles, 1 + key
 // blocks) (kernels/sm90/segments.py); the band attributes are then unused, the rows
-// carry it. num_splits (i32) > 1 selects the split-KV variant of the banded kernel: the
-// results are then fp32 partials, out (..., num_splits, Sq, H, Dv) normalized per split
-// and lse (..., num_splits, H, Sq), which jax_fa4 combines (an empty split gives 0 and
-// -inf). A fourth operand after the segment ones, the page table (..., max_pages) int32,
+// carry it. split_kernel (bool) selects the split-KV variant of the banded kernel, which
+// cuts each tile's key blocks into num_splits (i32) runs, one CTA each: it
+// writes fp32 partials into two more results, out (..., num_splits, Sq, H, Dv)
+// normalized per split and lse (..., num_splits, H, Sq) (an empty split gives 0 and
+// -inf), and its combine kernel merges them into out and lse; with unpack_group (i32) g
+// > 1 those two are the caller's of a pack-GQA call, (..., Sq / g, H * g, Dv) and (...,
+// H * g, Sq / g) (ffi/kernel_table.h). Without a split the partials' results are unused
+// (any size) and unpack_group must be 1. A fourth operand after the segment ones, the page table (..., max_pages) int32,
 // selects the paged variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv)
 // with page_size a multiple of kPageRows, and Sk is max_pages * page_size
 // (kernels/sm90/paged.py).
@@ -69,7 +73,8 @@ ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
 // a paged call, k and v are caches.
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                 const ffi::AnyBuffer& v, bool banded, float softcap,
-                                bool segments, int32_t num_splits, int64_t max_pages) {
+                                bool segments, bool split, int32_t num_splits,
+                                int64_t max_pages) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
   const bool paged = max_pages > 0;
@@ -113,11 +118,12 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   if (!ValidSoftcap(softcap, banded))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
                                        "> 0 only with the banded kernel");
-  if (num_splits < 1 || num_splits > kMaxSplits || (num_splits > 1 && !banded))
+  if (num_splits < 1 || num_splits > kMaxSplits || (num_splits > 1 && !split) ||
+      (split && !banded))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: num_splits must be in [1, " +
                                        std::to_string(kMaxSplits) +
-                                       "], and > 1 only with the banded kernel");
-  const bool split = num_splits > 1;
+                                       "], > 1 only with split_kernel, which needs the "
+                                       "banded kernel");
   p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
                            banded, softcap > 0.0f, segments, split, paged);
   if (p.kernel == nullptr)
@@ -133,14 +139,15 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
 }
 
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                         ffi::RemainingArgs segments, ffi::RemainingRets /*out, lse, counter*/,
+                         ffi::RemainingArgs segments, ffi::RemainingRets /*results*/,
                          bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
-                         int32_t num_splits) {
+                         bool split_kernel, int32_t num_splits,
+                         int32_t /*unpack_group*/) {
   auto max_pages = MaxPages(segments);
   if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, banded, softcap, segments.size() > 0, num_splits,
-                        *max_pages);
+  auto problem = Select(q, k, v, banded, softcap, segments.size() > 0, split_kernel,
+                        num_splits, *max_pages);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -148,13 +155,16 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k,
                       ffi::AnyBuffer v, ffi::RemainingArgs segment_args,
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
-                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counter, bool banded,
+                      ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
+                      ffi::Result<ffi::Buffer<ffi::F32>> out_part,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse_part, bool banded,
                       float softmax_scale, int32_t window_left, int32_t window_right,
-                      bool top_left, float softcap, int32_t num_splits) {
+                      bool top_left, float softcap, bool split_kernel,
+                      int32_t num_splits, int32_t unpack_group) {
   auto max_pages = MaxPages(segment_args);
   if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, num_splits,
-                        *max_pages);
+  auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, split_kernel,
+                        num_splits, *max_pages);
   if (problem.has_error()) return problem.error();
   const FwdProblem& p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
@@ -174,13 +184,17 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
     page_table = table->untyped_data();
   }
 
-  const bool split = num_splits > 1;
-  const ffi::DataType out_type = split ? ffi::DataType::F32 : q.element_type();
-  if (out->element_type() != out_type ||
-      out->element_count() != num_splits * p.batch * p.seqlen_q * p.heads * p.head_dim_v ||
-      lse->element_count() != num_splits * p.batch * p.heads * p.seqlen_q ||
-      tile_counter->element_count() < 1)
+  const bool split = split_kernel;
+  const int64_t out_count = p.batch * p.seqlen_q * p.heads * p.head_dim_v;
+  const int64_t lse_count = p.batch * p.heads * p.seqlen_q;
+  if (out->element_type() != q.element_type() || out->element_count() != out_count ||
+      lse->element_count() != lse_count || tile_counter->element_count() < 1 ||
+      (split && (out_part->element_count() != num_splits * out_count ||
+                 lse_part->element_count() != num_splits * lse_count)))
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
+  if (unpack_group < 1 || p.seqlen_q % unpack_group != 0 || (!split && unpack_group != 1))
+    return ffi::Error::InvalidArgument(where + ": unpack_group must divide Sq, and be 1 "
+                                       "without a split");
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
     return ffi::Error::InvalidArgument(where + ": softmax_scale must be finite and > 0");
   if (p.batch == 0 || p.heads == 0 || p.seqlen_q == 0) return ffi::Error::Success();
@@ -195,7 +209,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
     return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
                                        "sequence lengths < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
-                   lse->typed_data()}))
+                   lse->typed_data()}) ||
+      (split && !TmaAligned({out_part->typed_data(), lse_part->typed_data()})))
     return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
   if (!IsLoaded(*p.kernel, device))
     return ffi::Error::Internal(where + ": module not loaded onto device " +
@@ -227,6 +242,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                SoftcapScale(softmax_scale, softcap)};
   args.num_splits = num_splits;
   args.split_batch = static_cast<int32_t>(p.batch * num_splits);
+  args.o_part = out_part->typed_data();
+  args.lse_part = lse_part->typed_data();
+  args.unpack_group = unpack_group;
   args.num_sms = *num_sms;
   args.tile_counter = tile_counter->typed_data();
   args.page_table = page_table;
@@ -254,7 +272,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Attr<int32_t>("window_right")  // unused here
                                   .Attr<bool>("top_left")         // unused here
                                   .Attr<float>("softcap")         // selects the kernel
-                                  .Attr<int32_t>("num_splits"));  // selects the kernel
+                                  .Attr<bool>("split_kernel")     // selects the kernel
+                                  .Attr<int32_t>("num_splits")    // checked
+                                  .Attr<int32_t>("unpack_group"));  // unused here
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -268,11 +288,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (1,)
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // split partials: out
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // and lse
                                   .Attr<bool>("banded")
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")
                                   .Attr<int32_t>("window_right")
                                   .Attr<bool>("top_left")
                                   .Attr<float>("softcap")
-                                  .Attr<int32_t>("num_splits"),
+                                  .Attr<bool>("split_kernel")
+                                  .Attr<int32_t>("num_splits")
+                                  .Attr<int32_t>("unpack_group"),
                               {ffi::Traits::kCmdBufferCompatible});

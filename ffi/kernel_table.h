@@ -38,12 +38,18 @@ struct FwdArgs {
   void* plan;          // (batch, plan_tiles, plan_len): per tile, the blocks it visits
   int32_t plan_tiles;
   int32_t plan_len;
-  // Split kernels: the grid also runs over num_splits runs of each tile's key blocks, and
-  // o and lse are fp32 partials (batch * num_splits, seqlen_q, heads, head_dim_v) and
-  // (batch * num_splits, heads, seqlen_q), batch-major. Others ignore these: num_splits
-  // is 1 and split_batch is batch.
+  // Split kernels: the grid also runs over num_splits runs of each tile's key blocks,
+  // which write fp32 partials o_part (batch * num_splits, seqlen_q, heads, head_dim_v)
+  // and lse_part (batch * num_splits, heads, seqlen_q), batch-major; a combine kernel
+  // then writes o and lse in the caller's layout: with unpack_group g > 1 (pack-GQA),
+  // row r = p * g + j of head h is query head h * g + j at position p, so o is (batch,
+  // seqlen_q / g, heads * g, head_dim_v) and lse (batch, heads * g, seqlen_q / g).
+  // Others ignore these: num_splits and unpack_group are 1, split_batch is batch.
   int32_t num_splits;
   int32_t split_batch;  // batch * num_splits
+  void* o_part;
+  void* lse_part;
+  int32_t unpack_group;
   // The device's SM count: persistent kernels launch min(tiles, num_sms) CTAs that
   // take tiles in turn; the others ignore it.
   int32_t num_sms;

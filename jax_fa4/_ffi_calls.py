@@ -11,8 +11,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_fa4 import _segment_plan, _split_kv
+from jax_fa4 import _segment_plan
 from jax_fa4._kernel_select import GRID_YZ_LIMIT, bwd_kernel, fwd_kernel
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
@@ -28,32 +29,41 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
     is made here; with `rows_per_position` g (pack-GQA), each of the rows stands for g
     consecutive rows of q, and the kernel gets them repeated. With
-    spec.num_splits > 1 the kernel writes fp32 partials per split (after the batch),
-    combined here (`_split_kv`). With spec.paged, k (P, page_size, Hkv, D) and v are
-    caches and `pages` (B, max_pages) int32 their table (`_paged`). `unpack(out, lse)`
-    maps the kernel's layout to the caller's (pack-GQA), before the combine: it acts
-    on the last three axes of out and two of lse."""
+    spec.split_kernel the kernel writes fp32 partials per split into workspace
+    results and its combine kernel merges them (`_split_kv`). With spec.paged, k (P,
+    page_size, Hkv, D) and v are caches and `pages` (B, max_pages) int32 their table
+    (`_paged`). `unpack(out, lse)` maps the kernel's layout to the caller's (pack-GQA:
+    rows_per_position g > 1), on the last three axes of out and two of lse; a split's
+    combine writes the caller's layout itself."""
     *lead, sq, heads, _ = q.shape
-    splits = (spec.num_splits,) if spec.num_splits > 1 else ()
+    dv, g = v.shape[-1], rows_per_position
+    split = spec.split_kernel
+    if split and g > 1:
+        out_shape, lse_shape = (*lead, sq // g, heads * g, dv), (*lead, heads * g, sq // g)
+    else:
+        out_shape, lse_shape = (*lead, sq, heads, dv), (*lead, heads, sq)
+    # Split partials (fp32, a batch of them per split); unused, empty, without a split.
+    parts = (spec.num_splits,) if split else (0,)
     results = (
-        jax.ShapeDtypeStruct((*lead, *splits, sq, heads, v.shape[-1]),
-                             jnp.float32 if splits else q.dtype),
-        jax.ShapeDtypeStruct((*lead, *splits, heads, sq), jnp.float32),
+        jax.ShapeDtypeStruct(out_shape, q.dtype),
+        jax.ShapeDtypeStruct(lse_shape, jnp.float32),
         # The "dynamic" schedule's tile counter (kernels/sm90/schedule.py): XLA
         # allocates it (so it joins buffer assignment and command buffers), the handler
         # zeroes it before such a kernel.
         jax.ShapeDtypeStruct((1,), jnp.int32),
+        jax.ShapeDtypeStruct((*lead, *parts, sq, heads, dv) if split else parts,
+                             jnp.float32),
+        jax.ShapeDtypeStruct((*lead, *parts, heads, sq) if split else parts, jnp.float32),
     )
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
         (pages,) if spec.paged else ())
-    out, lse, _counter = call(q, k, v, *extra, **spec.ffi_attributes())
-    if unpack is not None:
+    out, lse, *_workspaces = call(q, k, v, *extra, **spec.ffi_attributes(),
+                                  unpack_group=np.int32(g if split else 1))
+    if unpack is not None and not split:
         out, lse = unpack(out, lse)
-    if splits:
-        out, lse = _split_kv.combine(out, lse, q.dtype)
     return vary_like((q, k, v), (out, lse))
 
 

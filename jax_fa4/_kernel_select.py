@@ -106,7 +106,7 @@ def _find(spec: AttentionSpec, kind: str, dims: tuple[int, int] | None = None) -
     dims = kernel_head_dims(spec) if dims is None else dims
     if dims is None:
         return None
-    split = kind == "fwd" and spec.num_splits > 1
+    split = kind == "fwd" and spec.split_kernel
     paged = kind == "fwd" and spec.paged
     return _registry.find_kernel(kind, kernel_dtype(spec), dims, spec.banded or split,
                                  spec.softcap is not None, spec.segment_kernel, split, paged)

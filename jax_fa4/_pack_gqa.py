@@ -74,7 +74,7 @@ def _segments(segments, spec, q, k):
 def fwd(q, k, v, *segments, spec, pages=None):
     """_ffi_calls.fwd on the packed problem."""
     g = spec.group_size
-    # Unpacked before split-KV's combine, so that the transposes feed its reduction.
+    # A split's combine kernel writes the caller's layout itself; else `unpack` runs.
     return _ffi_calls.fwd(_rows(q, g), k, v, *_segments(segments, spec, q, k),
                           spec=spec, pages=pages, rows_per_position=g,
                           unpack=lambda out, lse: (_unrows(out, g), _lse_unrows(lse, g)))

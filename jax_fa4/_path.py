@@ -88,20 +88,25 @@ def with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
 
 def with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
     """Split-KV (`_split_kv`) on the kernel paths, for static sizes whose grid leaves SMs
-    idle, where the split kernel was built. The grid is counted as the kernel sees it:
-    pack-GQA runs each group's query heads as rows of one key/value head."""
+    idle or whose query rows fit one split tile, where the split kernel was built. The
+    grid is counted as the kernel sees it: pack-GQA runs each group's query heads as
+    rows of one key/value head."""
     batch, heads, seqlen_q, seqlen_k = sizes
     if spec.path not in ("cute", "platform") or not all(
             isinstance(n, int) for n in sizes):
         return spec
-    split = _kernel_select.fwd_kernel(dataclasses.replace(spec, num_splits=2))
+    split = _kernel_select.fwd_kernel(dataclasses.replace(spec, split_kernel=True))
     if split is None:
         return spec
     if spec.pack_gqa:
         heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size
     ctas = batch * heads * -(-seqlen_q // split["tile_m"])
-    splits = _split_kv.num_splits(ctas, -(-seqlen_k // split["tile_n"]), sm_count())
-    return dataclasses.replace(spec, num_splits=splits)
+    key_blocks = -(-seqlen_k // split["tile_n"])
+    splits = _split_kv.num_splits(ctas, key_blocks, sm_count())
+    if splits == 1 and not _split_kv.split_kernel_unsplit(seqlen_q, key_blocks,
+                                                          split["tile_m"]):
+        return spec
+    return dataclasses.replace(spec, split_kernel=True, num_splits=splits)
 
 
 def sm_count() -> int:

@@ -65,9 +65,11 @@ class AttentionSpec:
     # The kernels run each group's query heads as rows of one problem (`_pack_gqa`):
     # chosen by `_path` for grouped calls with few query rows.
     pack_gqa: bool = False
-    # Split-KV (`_split_kv`): the forward kernel cuts each query tile's key blocks into
-    # this many runs, one CTA each, and their partial results are combined; chosen by
-    # `_path` for calls with too few query tiles to fill the GPU. 1: no split.
+    # Split-KV (`_split_kv`): the forward runs the split kernel, which cuts each query
+    # tile's key blocks into num_splits runs, one CTA each, and combines their partial
+    # results; chosen by `_path` for calls with too few query tiles to fill the GPU,
+    # and for decode-shaped calls even with one run.
+    split_kernel: bool = False
     num_splits: int = 1
     # Paged K/V (`_paged`): the forward reads k and v as caches of pages through a page
     # table (the segment kernel's paged variant); inference only, set by `_paged`.
@@ -82,6 +84,8 @@ class AttentionSpec:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         if not isinstance(self.num_splits, int) or self.num_splits < 1:
             raise ValueError(f"num_splits must be an int >= 1; got {self.num_splits!r}")
+        if self.num_splits > 1 and not self.split_kernel:
+            raise ValueError("num_splits > 1 needs split_kernel")
 
     @classmethod
     def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
@@ -198,11 +202,10 @@ class AttentionSpec:
         """Attributes of the `jax_fa4_fwd` custom call: banded (the banded kernel) -> i1,
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
         unbounded; causal is a right side of 0), top_left -> i1 (ffi/handler_common.h
-        MakeBand), softcap -> f32 (0: none) and num_splits -> i32 (> 1: the banded
-        kernel's split variant)."""
-        split = self.num_splits > 1
-        return {**self._band_attributes(self.banded or split),
-                "num_splits": np.int32(self.num_splits)}
+        MakeBand), softcap -> f32 (0: none), split_kernel -> i1 (the banded kernel's
+        split variant) and num_splits -> i32 (its runs per tile)."""
+        return {**self._band_attributes(self.banded or self.split_kernel),
+                "split_kernel": self.split_kernel, "num_splits": np.int32(self.num_splits)}
 
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's band attributes

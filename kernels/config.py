@@ -27,6 +27,19 @@ ARCHS = ("sm_90a",)
 # register file holds 64K 32-bit registers; the producer warpgroup keeps the minimum.
 PRODUCER_REGS = 24
 CONSUMER_REGS = {1: 240, 2: 240, 3: 160}
+REGISTER_FILE = 65536
+
+
+def consumer_regs(consumers: int, ctas_per_sm: int) -> int:
+    """Registers per consumer thread when `ctas_per_sm` CTAs of 1 + consumers
+    warpgroups share an SM: each CTA launches with an equal share of the file, and its
+    consumers take what the producer gives up (setmaxnreg counts in steps of 8)."""
+    if ctas_per_sm == 1:
+        return CONSUMER_REGS[consumers]
+    share = REGISTER_FILE // (ctas_per_sm * 128 * (1 + consumers)) // 8 * 8
+    return min(CONSUMER_REGS[consumers],
+               (share * (1 + consumers) - PRODUCER_REGS) // consumers // 8 * 8)
+
 # Tile schedules of the forward (Tile.schedule).
 SCHEDULES = ("tile", "static", "dynamic")
 
@@ -43,7 +56,9 @@ class Tile:
     the next tile from a counter, longest first with heads grouped to share L2
     (kernels/sm90/schedule.py). Persistent CTAs overlap a tile's Q load and first K/V
     blocks with the previous tile's last blocks and epilogue; `q_stages` Q buffers let
-    the next Q land while the current tile runs (2 where shared memory allows)."""
+    the next Q land while the current tile runs (2 where shared memory allows).
+    `ctas_per_sm`: CTAs resident on one SM (consumer_regs), so that a second CTA's loads
+    run while one computes; shared memory must hold them all."""
 
     m: int
     n: int
@@ -52,6 +67,7 @@ class Tile:
     rescale_threshold: float | None = None
     schedule: str = "tile"
     q_stages: int = 1
+    ctas_per_sm: int = 1
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -96,6 +112,16 @@ class Tile:
 #   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
 _RESCALE = 8.0
+# Split tiles two to an SM (consumer_regs: 232 per consumer thread), with shared memory
+# for both: d64 and d96 keep 128-key blocks (72 / 108 KB each), d128 takes 64-key ones
+# (80 KB). Against one split CTA per SM, with the combine kernel and decode-shaped
+# calls on the split kernel in both (H200, 2026-11-26, alternated twice in one call;
+# decode steps, 32 / 8 heads): d128 batch 1 at 8k keys 1.02-1.03x, 128k 1.02x, batch
+# 64 at 8k 0.99-1.00x, paged (pages of 64) batch 1 at 8k 1.10-1.11x; d64 batch 32 at
+# 1088 keys 1.13x, paged 1.58x. Also measured: twice as many splits (slots for two CTAs
+# per SM) 0.86-0.87x at 8k, the combine's cost growing with them.
+_SPLIT_TWO_PER_SM = {64: dict(ctas_per_sm=2), 96: dict(ctas_per_sm=2),
+                     128: dict(n=64, ctas_per_sm=2)}
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
                       schedule="static", q_stages=2),
@@ -241,11 +267,14 @@ class FwdConfig(_KernelConfig):
         one call): batch 1 1.21x at 8k keys, 1.01x at 128k; batch 4 at 32k 1.00x, d64
         1.01-1.02x. Also measured there: three K/V stages on top (d <= 128) 1.21x /
         0.99x, batch 4 0.98-0.99x; 128 rows with ping-pong off 0.92-0.93x / 0.99x, and
-        with three K/V stages 0.91x / 0.98x."""
+        with three K/V stages 0.91x / 0.98x.
+        Where two such CTAs fit in shared memory they share an SM (_SPLIT_TWO_PER_SM),
+        so that one's loads run while the other computes; see there."""
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         if self.split:
-            return dataclasses.replace(_TILES[(self.head_dim, True)], m=64, pingpong=False)
+            return dataclasses.replace(_TILES[(self.head_dim, True)], m=64, pingpong=False,
+                                       **_SPLIT_TWO_PER_SM.get(self.head_dim, {}))
         return _TILES[(self.head_dim, self.banded)]
 
 

@@ -87,11 +87,12 @@ TENSORS = {
         Param("mSem", "sem", "bhn", "sem_len", "i32"),
     ),
 }
-# Split-KV variants write fp32 partials instead of out and lse, one batch of them per
-# split: (B * num_splits, Sq, H, Dv) and (B * num_splits, H, Sq), batch-major.
-SPLIT_OUTPUTS = (
-    Param("mO", "o", "bshd", "seqlen_q", "f32", batch="split_batch"),
-    Param("mLSE", "lse", "bhn", "seqlen_q", "f32", batch="split_batch"),
+# Split-KV variants write fp32 partials, one batch of them per split: (B * num_splits,
+# Sq, H, Dv) and (B * num_splits, H, Sq), batch-major, after the tile counter; their
+# combine writes out and lse (kernels/sm90/combine.py).
+SPLIT_PARTIALS = (
+    Param("mOpart", "o_part", "bshd", "seqlen_q", "f32", batch="split_batch"),
+    Param("mLSEpart", "lse_part", "bhn", "seqlen_q", "f32", batch="split_batch"),
 )
 # Paged variants read K and V from caches (num_pages, page_size, Hkv, D / Dv) and take
 # the page table (B, 1, max_pages) after the segment tensors (kernels/sm90/paged.py).
@@ -104,7 +105,7 @@ PAGE_TABLE = Param("mPages", "page_table", "bhn", "max_pages", "i32", heads="1")
 # (kernels/sm90/schedule.py): one int32 that the handler zeroes before such a launch.
 TILE_COUNTER = Param("mTileCounter", "tile_counter", "bhn", "1", "i32", heads="1", batch="1")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
-VALUE_FIELDS = ("v", "o", "dout", "dv")
+VALUE_FIELDS = ("v", "o", "o_part", "dout", "dv")
 
 
 def width(cfg: Config, p: Param) -> int:
@@ -124,8 +125,8 @@ def tensors(cfg) -> tuple[Param, ...]:
     """The tensor parameters of cfg's kernel, in order."""
     params = TENSORS[cfg.kind]
     if cfg.kind == "fwd":
-        params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3])
-                  + (SPLIT_OUTPUTS if cfg.split else params[3:]) + (TILE_COUNTER,))
+        params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
+                  + (TILE_COUNTER,) + (SPLIT_PARTIALS if cfg.split else ()))
     return (params + (SEGMENT_TENSORS if cfg.segments else ())
             + ((PAGE_TABLE,) if cfg.paged else ()))
 
@@ -133,7 +134,8 @@ def tensors(cfg) -> tuple[Param, ...]:
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
 SCALARS = {
     "fwd": (("float", "scale_log2"), ("int32_t", "band_lo"), ("int32_t", "band_hi"),
-            ("float", "softcap_scale"), ("int32_t", "num_splits"), ("int32_t", "num_sms")),
+            ("float", "softcap_scale"), ("int32_t", "num_splits"), ("int32_t", "num_sms"),
+            ("int32_t", "unpack_group")),
     "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic"),
             ("int32_t", "band_lo"), ("int32_t", "band_hi"), ("float", "softcap_scale")),
 }
@@ -195,7 +197,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     t0 = time.time()
     if cfg.kind == "fwd":
         kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0),
-                                         Int32(1), Int32(1))
+                                         Int32(1), Int32(1), Int32(1))
     else:
         from kernels.sm90.bwd import BwdSm90
         from kernels.sm90.bwd_split import BwdSm90SplitD
@@ -224,10 +226,15 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
-    main = [fake(p) for p in params if p not in SEGMENT_TENSORS and p != PAGE_TABLE]
-    # Forward kernels take the page table (None unless paged) before their scalars.
-    pages = [fake(PAGE_TABLE) if cfg.paged else None] if cfg.kind == "fwd" else []
-    compiled = cute.compile(kernel, *main, *seg, *pages, *scalars,
+    main = [fake(p) for p in params
+            if p not in SEGMENT_TENSORS + SPLIT_PARTIALS and p != PAGE_TABLE]
+    # Forward kernels take the split partials (None unless split) after the tile
+    # counter, and the page table (None unless paged) before their scalars.
+    parts, pages = [], []
+    if cfg.kind == "fwd":
+        parts = [fake(p) if cfg.split else None for p in SPLIT_PARTIALS]
+        pages = [fake(PAGE_TABLE) if cfg.paged else None]
+    compiled = cute.compile(kernel, *main, *parts, *seg, *pages, *scalars,
                             cuda.CUstream(0),
                             options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)

@@ -11,15 +11,16 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     Split variants (banded; split-KV for few tiles over many keys) cut each tile's visits
     into num_splits runs (kernels/band.py split_visits), one CTA each; a split writes
     O_s = its own softmax(s * S) V over its keys, in fp32, and LSE_s (0 and -inf when it
-    sees no key), and jax_fa4 combines them: LSE = log sum_s exp(LSE_s),
-    O = sum_s exp(LSE_s - LSE) O_s. Paged variants (segment variants) read K and V in
+    sees no key), and a second kernel launched after it combines them into out and lse
+    (kernels/sm90/combine.py). Paged variants (segment variants) read K and V in
     place from a cache of pages through a page table (kernels/sm90/paged.py).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
-mRows, mKeys, mPlan (int32, segments.py); split variants write mO (B * num_splits, Sq, H,
-Dv) and mLSE (B * num_splits, H, Sq) in fp32, batch-major; mTileCounter (1, 1, 1) int32
-is the "dynamic" schedule's. B, Sq, Sk, H and num_splits
+mRows, mKeys, mPlan (int32, segments.py); split variants write their partials to mOpart
+(B * num_splits, Sq, H, Dv) and mLSEpart (B * num_splits, H, Sq) in fp32, batch-major,
+and their combine writes mO and mLSE in the caller's layout (unpack_group: combine.py);
+mTileCounter (1, 1, 1) int32 is the "dynamic" schedule's. B, Sq, Sk, H and num_splits
 are runtime values, and so are the band's lo and hi and the softcap; dtype, D, banded, softcap and segments are
 compiled in (kernels/config.py).
 
@@ -66,8 +67,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels import band
-from kernels.config import CONSUMER_REGS, PRODUCER_REGS, FwdConfig
-from kernels.sm90 import mask, paged, schedule, segments, softcap, wgmma
+from kernels.config import PRODUCER_REGS, FwdConfig, consumer_regs
+from kernels.sm90 import combine, mask, paged, schedule, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, convert, rows_cols
 from kernels.sm90.softmax import OnlineSoftmax
 
@@ -173,7 +174,8 @@ class FwdSm90:
         self.pingpong = cfg.tile.pingpong
         self.rescale_threshold = cfg.tile.rescale_threshold
         self.threads = WARPGROUP * (1 + self.consumers)
-        self.consumer_regs = CONSUMER_REGS[self.consumers]
+        self.ctas_per_sm = cfg.tile.ctas_per_sm
+        self.consumer_regs = consumer_regs(self.consumers, self.ctas_per_sm)
 
     @cute.jit
     def __call__(
@@ -184,6 +186,8 @@ class FwdSm90:
         mO: cute.Tensor,
         mLSE: cute.Tensor,
         mTileCounter: cute.Tensor,
+        mOpart: cute.Tensor | None,
+        mLSEpart: cute.Tensor | None,
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
@@ -194,19 +198,23 @@ class FwdSm90:
         softcap_scale: Float32,
         num_splits: Int32,
         num_sms: Int32,
+        unpack_group: Int32,
         stream: cuda.CUstream,
     ):
-        """mRows, mKeys, mPlan: segment variants only (None otherwise: not in the ABI);
-        mPages: paged variants only, and then mK, mV are the caches (paged.py).
-        num_splits: split variants only (others are launched with 1 and ignore it).
-        num_sms: the device's SM count, the most CTAs a persistent launch runs.
-        mTileCounter (1, 1, 1) int32: the "dynamic" schedule's counter of tiles taken,
-        zeroed by the handler before the launch; others leave it alone."""
+        """mOpart, mLSEpart: split variants' partials (None otherwise: not in the ABI).
+        mRows, mKeys, mPlan: segment variants only; mPages: paged variants only, and
+        then mK, mV are the caches (paged.py). num_splits and unpack_group: split
+        variants only (others are launched with 1 and ignore them). num_sms: the
+        device's SM count, the most CTAs a persistent launch runs. mTileCounter (1, 1,
+        1) int32: the "dynamic" schedule's counter of tiles taken, zeroed by the
+        handler before the launch; others leave it alone."""
         dt, d, dv = self.dtype, self.head_dim, self.head_dim_v
-        q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(mO)
+        # Split variants' kernel writes the partials; its combine, mO and mLSE.
+        o_dst, lse_dst = (mOpart, mLSEpart) if cutlass.const_expr(self.split) else (mO, mLSE)
+        q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(o_dst)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
         vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
-        lse = cute.make_tensor(mLSE.iterator, cute.select(mLSE.layout, mode=[2, 1, 0]))
+        lse = cute.make_tensor(lse_dst.iterator, cute.select(lse_dst.layout, mode=[2, 1, 0]))
 
         qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
         pv_tiler = (CONSUMER_ROWS, dv, self.tile_n)
@@ -265,8 +273,16 @@ class FwdSm90:
             softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
-            grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1
+            grid=grid, block=[self.threads, 1, 1], stream=stream,
+            min_blocks_per_mp=self.ctas_per_sm,
+            # Several CTAs per SM need the whole carveout as shared memory (100 %;
+            # stated, so that the compile asks no device).
+            preferred_smem_carveout=100 if self.ctas_per_sm > 1 else None,
         )
+        if cutlass.const_expr(self.split):
+            out, out_lse = combine.unpacked(mO, mLSE, unpack_group)
+            combine.SplitCombine(dt, dv).launch(
+                mOpart, mLSEpart, out, out_lse, num_splits, unpack_group, stream)
 
     @cute.kernel
     def kernel(

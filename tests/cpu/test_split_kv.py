@@ -1,6 +1,6 @@
-"""Split-KV (jax_fa4/_split_kv.py): the split count, the combine of partial results
-against whole-row attention, and the split forward's call in the HLO lowered for CUDA.
-The kernel itself is checked on the GPU (tests/gpu/test_gpu_split_kv.py)."""
+"""Split-KV (jax_fa4/_split_kv.py): the split count and the split forward's call in the
+HLO lowered for CUDA. The kernels (split and combine) are checked on the GPU
+(tests/gpu/test_gpu_split_kv.py)."""
 
 import functools
 import re
@@ -13,7 +13,6 @@ import pytest
 
 import jax_fa4
 from jax_fa4 import _api, _path, _split_kv
-from jax_fa4._reference import reference_attention_visible
 
 FWD = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\((.*?)\) \{(.*?)\} : \((.*?)\) -> "
                  r"\((.*?)\)$", re.MULTILINE)
@@ -35,39 +34,6 @@ def test_num_splits(ctas, blocks, sms, expected):
     assert _split_kv.num_splits(ctas, blocks, sms) == expected
 
 
-def _partials(q, k, v, visible, bounds, scale):
-    """Per split (keys [bounds[s], bounds[s + 1])): out_s in fp32 and lse_s, stacked after
-    the batch as the kernel writes them."""
-    outs, lses = [], []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        mine = visible & (jnp.arange(k.shape[1]) >= lo) & (jnp.arange(k.shape[1]) < hi)
-        out, lse = reference_attention_visible(q, k, v, mine, softmax_scale=scale)
-        outs.append(out.astype(jnp.float32))
-        lses.append(lse)
-    return jnp.stack(outs, 1), jnp.stack(lses, 1)
-
-
-@pytest.mark.parametrize("bounds", [(0, 100), (0, 40, 100), (0, 0, 33, 33, 90, 100),
-                                    (0, 13, 26, 39, 52, 65, 78, 91, 100)])
-def test_combine_is_whole_row_attention(bounds):
-    """Empty splits, splits that see nothing of some rows, and rows that see no key at
-    all (out 0, lse -inf) all combine to attention over the whole row."""
-    rng = np.random.default_rng(len(bounds))
-    b, sq, sk, h, d = 2, 7, 100, 3, 16
-    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
-               for s in ((b, sq, h, d), (b, sk, h, d), (b, sk, h, d)))
-    visible = jnp.asarray(rng.random((b, sq, sk)) < 0.3)
-    visible = visible.at[0, 3].set(False)  # a row that sees no key
-    visible = visible.at[1, :, 40:].set(False)  # later splits see nothing of batch 1
-    out, lse = reference_attention_visible(q, k, v, visible, softmax_scale=0.3)
-    got_out, got_lse = _split_kv.combine(*_partials(q, k, v, visible, bounds, 0.3),
-                                         jnp.float32)
-    np.testing.assert_allclose(got_out, out, atol=2e-6, rtol=2e-6)
-    np.testing.assert_allclose(got_lse, lse, atol=2e-6, rtol=2e-6)
-    assert got_lse[0, :, 3].tolist() == [-np.inf] * h
-    assert not np.any(got_out[0, 3])
-
-
 def sds(*shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -83,14 +49,18 @@ def _fwd_calls(text):
 
 def test_decode_lowers_to_the_split_kernel(built):
     """Batch 1, 32 query / 8 KV heads, 8k keys: pack-GQA gives 8 CTAs, so 16 splits of
-    the banded kernel with fp32 partials (batch, split, ...), combined in the program."""
+    the banded kernel with fp32 partials (batch, split, ...) as workspace results, and
+    out and lse in the caller's layout (the combine unpacks them)."""
     if _path.sm_count() != 132:
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(1, 1, 32, 128), sds(1, 8192, 8, 128)
     (attrs, results), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))
     assert "banded = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
-    # pack-GQA rows: the 4 query heads of each KV head; then the tile counter.
-    assert results == ("tensor<1x16x4x8x128xf32>, tensor<1x16x8x4xf32>, tensor<1xi32>"), results
+    assert "unpack_group = 4 : i32" in attrs, attrs
+    # out, lse, the tile counter, then the partials of the packed rows (the 4 query
+    # heads of each KV head).
+    assert results == ("tensor<1x1x32x128xbf16>, tensor<1x32x1xf32>, tensor<1xi32>, "
+                       "tensor<1x16x4x8x128xf32>, tensor<1x16x8x4xf32>"), results
 
 
 def test_full_grids_and_gradients_do_not_split(built):

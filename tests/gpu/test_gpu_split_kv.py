@@ -3,7 +3,8 @@ leaves SMs idle run the split variant; against the rule of tests/README.md, bitw
 stable across runs, and within an output rounding of the same call unsplit. Every
 feature the split variant carries: pack-GQA, causal (bottom-right, several queries),
 windows (splits left empty), softcap, sinks, lengths (empty and clipped), every head
-dim, gradients (the backward never splits)."""
+dim, gradients (the backward never splits); and decode shapes that fill the GPU, which
+take the split kernel with one run."""
 
 import functools
 import zlib
@@ -62,13 +63,25 @@ def _arrays(seed, options):
 
 def _run(q, k, v, options):
     """out, lse of one jitted call (traced afresh: the split count is chosen while
-    tracing) and the split count it ran with."""
+    tracing) and the split count it ran with (0: the unsplit kernel)."""
     features = {n: x for n, x in options.items() if n != "causal"}
     spec = _api._plan(q, k, v, causal=options.get("causal", False), softmax_scale=None,
                       return_lse=True, implementation="cute", **features)
     fn = jax.jit(lambda *a: jax_fa4.attention(*a, return_lse=True, implementation="cute",
                                               **options))
-    return (*fn(q, k, v), spec.num_splits)
+    return (*fn(q, k, v), spec.num_splits if spec.split_kernel else 0)
+
+
+def _assert_near_unsplit(name, out, lse, whole, lse_whole):
+    """The split kernel sums fp32 partials and rounds once, as the unsplit kernel does:
+    the two differ by at most about one rounding of out."""
+    ulp = float(jnp.finfo(out.dtype).eps) * float(jnp.max(jnp.abs(whole.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(whole, np.float32),
+                               atol=2 * ulp, rtol=0, err_msg=name)
+    finite = np.isfinite(np.asarray(lse_whole))
+    assert np.array_equal(finite, np.isfinite(np.asarray(lse))), name
+    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_whole)[finite],
+                               rtol=2e-6, atol=2e-6, err_msg=name)
 
 
 @pytest.mark.parametrize("dtype,head_dims,feature", CASES)
@@ -90,18 +103,37 @@ def test_split_matches_reference_and_unsplit(fa, monkeypatch, dtype, head_dims, 
     assert np.array_equal(np.asarray(out), np.asarray(again)), f"{name}: out not stable"
     assert np.array_equal(np.asarray(lse), np.asarray(lse_again)), f"{name}: lse not stable"
 
-    monkeypatch.setattr(_split_kv, "FILL", 0.0)  # every grid "fills" the GPU: no split
-    whole, lse_whole, one = _run(q, k, v, options)
-    assert one == 1
-    # The split sums fp32 partials and rounds once, as the unsplit kernel does: the two
-    # differ by at most about one rounding of out.
-    ulp = float(jnp.finfo(q.dtype).eps) * float(jnp.max(jnp.abs(whole.astype(jnp.float32))))
-    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(whole, np.float32),
-                               atol=2 * ulp, rtol=0, err_msg=name)
-    finite = np.isfinite(np.asarray(lse_whole))
-    assert np.array_equal(finite, np.isfinite(np.asarray(lse))), name
-    np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(lse_whole)[finite],
-                               rtol=2e-6, atol=2e-6, err_msg=name)
+    # Every grid "fills" the GPU and decode shapes keep the unsplit kernel: no split.
+    monkeypatch.setattr(_split_kv, "FILL", 0.0)
+    monkeypatch.setattr(_split_kv, "DECODE_SHAPED", False)
+    whole, lse_whole, unsplit = _run(q, k, v, options)
+    assert unsplit == 0
+    _assert_near_unsplit(name, out, lse, whole, lse_whole)
+
+
+@pytest.mark.parametrize("head_dims", [(64, 64), (128, 128), (256, 256)])
+@pytest.mark.parametrize("name,sq,options", [FEATURES[0], FEATURES[1], FEATURES[6]])
+def test_decode_shapes_that_fill_the_gpu_run_one_split(fa, monkeypatch, head_dims, name,
+                                                      sq, options):
+    """A decode-shaped call whose grid fills the GPU takes the split kernel with one run
+    per tile (_split_kv.DECODE_SHAPED): against the rule, and within an output rounding
+    of the unsplit kernel."""
+    batch = 64  # x 2 K/V heads: 128 tiles of the packed rows, one wave
+    seed = zlib.crc32(repr(("one split", head_dims, name)).encode())
+    q, k, v, *_ = fa.problem(seed, "bfloat16", batch, sq, 1031, HEADS, HEADS_KV, *head_dims)
+    options = dict(options)
+    if options.pop("kv_lengths", False):
+        options["kv_lengths"] = jnp.asarray(
+            np.random.default_rng(seed).integers(0, 1400, batch), jnp.int32)
+    out, lse, splits = _run(q, k, v, options)
+    assert splits == 1, f"{name}: expected the split kernel with one run, got {splits}"
+    mask = {"segments": {"kv_lengths": options["kv_lengths"]}} if "kv_lengths" in options else {}
+    fa.assert_attention(f"one split {name}", out, lse, q, k, v,
+                        causal=options.get("causal", False), **mask)
+    monkeypatch.setattr(_split_kv, "DECODE_SHAPED", False)
+    whole, lse_whole, unsplit = _run(q, k, v, options)
+    assert unsplit == 0
+    _assert_near_unsplit(name, out, lse, whole, lse_whole)
 
 
 @functools.partial(jax.jit, static_argnames=("causal",))
