@@ -13,7 +13,8 @@
 # Extra arguments go to pytest. On an H100 (80 GB) on 2026-11-25, the kernels of 050e892:
 # core 5.4 minutes (1796 passed), features 7.4 (505), heads 4.3 (319), large 0.5 (10);
 # the kernels of 68c86d7, on another H100 that day: core 3.1 (1804), features 5.5 (505),
-# heads 3.0 (319), large 0.3 (10); a9f7285: core 3.8, features 5.9, heads 3.6, large 0.4.
+# heads 3.0 (319), large 0.3 (10); a9f7285: core 3.8, features 5.9, heads 3.6, large 0.4;
+# 2026-11-26, 0e5cdf9: core 3.6 (1813), features 5.5 (505), heads 3.3 (319), large 0.3 (10).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi [pytest args]}
