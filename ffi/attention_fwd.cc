@@ -16,7 +16,8 @@
 // normalized per split and lse (..., num_splits, H, Sq) (an empty split gives 0 and
 // -inf), and its combine kernel merges them into out and lse; with unpack_group (i32) g
 // > 1 those two are the caller's of a pack-GQA call, (..., Sq / g, H * g, Dv) and (...,
-// H * g, Sq / g) (ffi/kernel_table.h). Without a split the partials' results are unused
+// H * g, Sq / g) (ffi/kernel_table.h), and a decode step's q (Sq / g = 1) may come
+// unpacked too, (..., 1, H * g, D). Without a split the partials' results are unused
 // (any size) and unpack_group must be 1. A fourth operand after the segment ones, the page table (..., max_pages) int32,
 // selects the paged variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv)
 // with page_size a multiple of kPageRows, and Sk is max_pages * page_size
@@ -166,8 +167,20 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, split_kernel,
                         num_splits, *max_pages);
   if (problem.has_error()) return problem.error();
-  const FwdProblem& p = *problem;
+  FwdProblem p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
+  // A pack-GQA decode step (one position) may pass q in the caller's layout, (..., 1,
+  // heads_kv * g, D): the split kernel reads its g heads per K/V head as g rows through
+  // q_strides, with no transpose. (A packed q has heads_kv heads and g rows or more.)
+  const int64_t row = p.heads * p.head_dim;
+  int64_t q_strides[3] = {p.seqlen_q * row, row, p.head_dim};
+  if (split_kernel && unpack_group > 1 && p.seqlen_q == 1 &&
+      p.heads == p.heads_kv * unpack_group) {
+    q_strides[1] = p.head_dim;
+    q_strides[2] = unpack_group * p.head_dim;
+    p.seqlen_q = unpack_group;
+    p.heads = p.heads_kv;
+  }
   const int64_t q_tiles = (p.seqlen_q + p.kernel->tile_m - 1) / p.kernel->tile_m;
   const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
   const bool paged = p.max_pages > 0;
@@ -245,6 +258,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   args.o_part = out_part->typed_data();
   args.lse_part = lse_part->typed_data();
   args.unpack_group = unpack_group;
+  for (int i = 0; i < 3; ++i) args.q_strides[i] = q_strides[i];
   args.num_sms = *num_sms;
   args.tile_counter = tile_counter->typed_data();
   args.page_table = page_table;

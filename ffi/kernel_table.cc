@@ -40,6 +40,14 @@ Tensor Bshd(void* data, int32_t batch, int32_t seqlen, int32_t heads, int64_t he
   return Tensor{data, {batch, seqlen, heads}, {seqlen * row, row}};
 }
 
+// The same with every stride given (elements; batch, seqlen, heads): a view that is not
+// row-major, as the split kernels take q (FwdArgs q_strides).
+template <typename Tensor>
+Tensor BshdStrided(void* data, int32_t batch, int32_t seqlen, int32_t heads,
+                   const int64_t (&strides)[3]) {
+  return Tensor{data, {batch, seqlen, heads}, {strides[0], strides[1], strides[2]}};
+}
+
 template <typename Tensor>
 Tensor Bhn(void* data, int32_t batch, int32_t heads, int32_t n) {
   return Tensor{data, {batch, heads, n}, {int64_t{heads} * n, n}};

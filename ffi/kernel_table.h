@@ -50,6 +50,11 @@ struct FwdArgs {
   void* o_part;
   void* lse_part;
   int32_t unpack_group;
+  // Split kernels read q through these strides (elements: batch, row, head): row-major
+  // (seqlen_q * heads * head_dim, heads * head_dim, head_dim), or, for a pack-GQA decode
+  // step (one position), the caller's (batch, 1, heads * g, head_dim) as g rows per K/V
+  // head: (heads * g * head_dim, head_dim, g * head_dim). Others ignore them.
+  int64_t q_strides[3];
   // The device's SM count: persistent kernels launch min(tiles, num_sms) CTAs that
   // take tiles in turn; the others ignore it.
   int32_t num_sms;

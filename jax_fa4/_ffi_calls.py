@@ -34,10 +34,13 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     page_size, Hkv, D) and v are caches and `pages` (B, max_pages) int32 their table
     (`_paged`). `unpack(out, lse)` maps the kernel's layout to the caller's (pack-GQA:
     rows_per_position g > 1), on the last three axes of out and two of lse; a split's
-    combine writes the caller's layout itself."""
+    combine writes the caller's layout itself, and takes a decode step's q (one
+    position, (B, 1, H * g, D)) in the caller's layout too."""
     *lead, sq, heads, _ = q.shape
     dv, g = v.shape[-1], rows_per_position
     split = spec.split_kernel
+    if g > 1 and sq == 1:  # q in the caller's layout: the packed problem's rows and heads
+        sq, heads = g, heads // g
     if split and g > 1:
         out_shape, lse_shape = (*lead, sq // g, heads * g, dv), (*lead, heads * g, sq // g)
     else:

@@ -58,6 +58,9 @@ class Param(NamedTuple):
     dtype: str = "io"
     heads: str = "heads"
     batch: str = "batch"
+    # "bshd" only: the head stride is a runtime value too (FwdArgs q_strides), so that a
+    # view that is not row-major can be passed (kernels/sm90/fwd.py: pack-GQA's decode q).
+    head_stride: bool = False
 
 
 # The export ABI of each kind (see ffi/kernel_table.h): tensors, then scalars, then the
@@ -87,13 +90,15 @@ TENSORS = {
         Param("mSem", "sem", "bhn", "sem_len", "i32"),
     ),
 }
-# Split-KV variants write fp32 partials, one batch of them per split: (B * num_splits,
+# Split-KV variants take q with all three strides at run time (a pack-GQA decode step's
+# q in the caller's layout, its group's heads as rows), and write fp32 partials, one batch of them per split: (B * num_splits,
 # Sq, H, Dv) and (B * num_splits, H, Sq), batch-major, after the tile counter; their
 # combine writes out and lse (kernels/sm90/combine.py).
 SPLIT_PARTIALS = (
     Param("mOpart", "o_part", "bshd", "seqlen_q", "f32", batch="split_batch"),
     Param("mLSEpart", "lse_part", "bhn", "seqlen_q", "f32", batch="split_batch"),
 )
+SPLIT_Q = Param("mQ", "q", "bshd", "seqlen_q", head_stride=True)
 # Paged variants read K and V from caches (num_pages, page_size, Hkv, D / Dv) and take
 # the page table (B, 1, max_pages) after the segment tensors (kernels/sm90/paged.py).
 PAGED_CACHES = (
@@ -125,7 +130,8 @@ def tensors(cfg) -> tuple[Param, ...]:
     """The tensor parameters of cfg's kernel, in order."""
     params = TENSORS[cfg.kind]
     if cfg.kind == "fwd":
-        params = ((params[0],) + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
+        params = (((SPLIT_Q if cfg.split else params[0]),)
+                  + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
                   + (TILE_COUNTER,) + (SPLIT_PARTIALS if cfg.split else ()))
     return (params + (SEGMENT_TENSORS if cfg.segments else ())
             + ((PAGE_TABLE,) if cfg.paged else ()))
@@ -139,7 +145,12 @@ SCALARS = {
     "bwd": (("float", "scale_log2"), ("float", "scale"), ("int32_t", "deterministic"),
             ("int32_t", "band_lo"), ("int32_t", "band_hi"), ("float", "softcap_scale")),
 }
-STRUCT = "void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[2];"
+def struct(p: Param) -> str:
+    """The export struct of a tensor parameter (the header's text, spaces collapsed)."""
+    strides = 3 if p.head_stride else 2
+    return f"void *data; int32_t dynamic_shapes[3]; int64_t dynamic_strides[{strides}];"
+
+
 # The module struct the wrapper takes, and the module's loader entry points, which the
 # generated table calls one device at a time (InitLibrary and LoadToDevice in
 # ffi/kernel_table.cc) instead of the header's _Kernel_Module_Load, which loads onto
@@ -184,7 +195,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     import cuda.bindings.driver as cuda
     import cutlass.cute as cute
     from cutlass import Float32, Int32
-    from cutlass.cute.runtime import make_fake_compact_tensor
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
     from kernels.sm90.fwd import DTYPES, FwdSm90
@@ -217,6 +228,11 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     def fake(p: Param):
         b, h, n = sizes[p.batch], sizes[p.heads], sizes[p.extent]
+        if p.head_stride:
+            # 16-byte aligned strides, as TMA needs (8 16-bit values).
+            strides = tuple(cute.sym_int64(divisibility=8) for _ in range(3))
+            return make_fake_tensor(dtypes[p.dtype], (b, n, h, width(cfg, p)), (*strides, 1),
+                                    assumed_align=16)
         if p.layout == "bshd":
             shape, order = (b, n, h, width(cfg, p)), (3, 2, 1, 0)
         else:
@@ -247,14 +263,14 @@ def check_header(path: pathlib.Path, cfg: Config) -> None:
     text, name = path.read_text(), cfg.name
     params = tensors(cfg)
     for p in params:
-        struct = re.search(
+        found = re.search(
             r"typedef struct \{([^}]*)\} " + re.escape(f"{name}_Tensor_{p.tensor}_t;"), text
         )
-        if not struct:
+        if not found:
             raise RuntimeError(f"{path}: no tensor struct for {p.tensor}")
-        body = " ".join(struct.group(1).split())
-        if body != STRUCT:
-            raise RuntimeError(f"{path}: {p.tensor} struct is '{body}', expected '{STRUCT}'")
+        body = " ".join(found.group(1).split())
+        if body != struct(p):
+            raise RuntimeError(f"{path}: {p.tensor} struct is '{body}', expected '{struct(p)}'")
     check_loaders(path, text, name)
     signature = (
         rf"cute_dsl_{name}_wrapper\({name}_Kernel_Module_t \*module, "
@@ -304,14 +320,17 @@ def _entry(cfg: Config) -> str:
     """One kernel's module, loaders and launch adapter (Args -> its export structs)."""
     lines = []
     for p in tensors(cfg):
-        struct = f"{cfg.name}_Tensor_{p.tensor}_t"
+        type_name = f"{cfg.name}_Tensor_{p.tensor}_t"
         batch, heads, extent = (name if name.isdigit() else f"a.{name}"
                                 for name in (p.batch, p.heads, p.extent))
-        if p.layout == "bshd":
-            make = (f"Bshd<{struct}>(a.{p.field}, {batch}, {extent}, {heads}, "
+        if p.head_stride:
+            make = (f"BshdStrided<{type_name}>(a.{p.field}, {batch}, {extent}, {heads}, "
+                    f"a.{p.field}_strides)")
+        elif p.layout == "bshd":
+            make = (f"Bshd<{type_name}>(a.{p.field}, {batch}, {extent}, {heads}, "
                     f"{width(cfg, p)})")
         else:
-            make = f"Bhn<{struct}>(a.{p.field}, {batch}, {heads}, {extent})"
+            make = f"Bhn<{type_name}>(a.{p.field}, {batch}, {heads}, {extent})"
         lines.append(f"  auto {p.field} = {make};")
     call = [f"&{p.field}" for p in tensors(cfg)]
     call += [f"a.{field}" for _, field in SCALARS[cfg.kind]] + ["stream"]

@@ -47,14 +47,25 @@ def _fwd_calls(text):
     return [(attrs, results) for _, attrs, _, results in FWD.findall(text)]
 
 
+def _fwd_operand_types(text):
+    """[operand types] of each jax_fa4_fwd call."""
+    return [operands for _, _, operands, _ in FWD.findall(text)]
+
+
 def test_decode_lowers_to_the_split_kernel(built):
     """Batch 1, 32 query / 8 KV heads, 8k keys: pack-GQA gives 8 CTAs, so 16 splits of
     the banded kernel with fp32 partials (batch, split, ...) as workspace results, and
-    out and lse in the caller's layout (the combine unpacks them)."""
+    q, out and lse in the caller's layout (the kernel reads q's group as rows, the
+    combine unpacks out and lse)."""
     if _path.sm_count() != 132:
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(1, 1, 32, 128), sds(1, 8192, 8, 128)
-    (attrs, results), = _fwd_calls(_lowered(jax_fa4.attention, q, kv, kv))
+    text = _lowered(jax_fa4.attention, q, kv, kv)
+    (attrs, results), = _fwd_calls(text)
+    # q as the caller has it: the kernel reads the group's heads as rows (no transpose).
+    operands, = _fwd_operand_types(text)
+    assert operands.startswith("tensor<1x1x32x128xbf16>, "), operands
+    assert "transpose" not in text
     assert "banded = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
     assert "unpack_group = 4 : i32" in attrs, attrs
     # out, lse, the tile counter, then the partials of the packed rows (the 4 query
