@@ -8,7 +8,6 @@ import re
 import jax
 import jax.export
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
 import jax_fa4
