@@ -105,7 +105,10 @@ def test_sequence_sharded_jit_runs_the_ring(fa, gpus, causal, window):
     assert _crossing(fn.lower(*placed).compile().as_text()) == {"collective-permute"}
     out, lse, *grads = jax.device_get(fn(*placed))
     fa.assert_attention("ring", out, lse, q, k, v, causal=causal, window=window)
-    fa.assert_gradients("ring", grads, q, k, v, dout, dlse, causal=causal, window=window)
+    # The ring sums per-pair dv rounded to bf16: zigzag halves when the band is one-sided.
+    pieces = 2 * n if causal else n
+    fa.assert_gradients("ring", grads, q, k, v, dout, dlse, causal=causal, window=window,
+                        pieces=pieces)
 
 
 @pytest.mark.parametrize("static", [{"causal": True}, {"window": (300, 100)}],
@@ -142,7 +145,8 @@ def test_sequence_sharded_jit_runs_the_segment_ring(fa, gpus, static):
     mask = {"causal": static.get("causal", False), "window": static.get("window"),
             "segments": arrays}
     fa.assert_attention("segment ring", out, lse, q, k, v, **mask)
-    fa.assert_gradients("segment ring", grads, q, k, v, dout, dlse, **mask)
+    fa.assert_gradients("segment ring", grads, q, k, v, dout, dlse, **mask,
+                        pieces=2 * n if "causal" in static else n)
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -169,4 +173,5 @@ def test_shard_map_zigzag_ring(fa, gpus, causal):
 
     out, lse, *grads = jax.device_get(jax.jit(run)(q, k, v, dout, dlse))
     fa.assert_attention("zigzag ring", out, lse, q, k, v, causal=causal)
-    fa.assert_gradients("zigzag ring", grads, q, k, v, dout, dlse, causal=causal)
+    fa.assert_gradients("zigzag ring", grads, q, k, v, dout, dlse, causal=causal,
+                        pieces=2 * n)
