@@ -19,7 +19,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from jax_fa4._api import attention
-from jax_fa4._ring import Cut, chunk_pair, hop, merge, unseen
+from jax_fa4._ring import (CAUSAL, Cut, causal_zigzag_pairs, chunk_pair, hop, merge,
+                            merge_picked, pick, unseen)
 from jax_fa4._validate import band
 from jax_fa4._varying import vary_like
 
@@ -87,6 +88,13 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     for step in range(n):
         if step:  # one hop: device i sends its K/V (and their ids) to device i + 1
             k, v, kv_segment_ids = hop((k, v, kv_segment_ids), axis_name, n)
+        if halves == 2 and (left, right) == CAUSAL:
+            k_parts, v_parts, kv_seg_parts = (split(x) for x in (k, v, kv_segment_ids))
+            for qi, ki, (lo, hi) in causal_zigzag_pairs(step, me):
+                merge_picked(acc, qi, run(lo, hi, pick(q_parts, qi), pick(k_parts, ki),
+                                          pick(v_parts, ki), pick(q_seg_parts, qi),
+                                          pick(kv_seg_parts, ki)))
+            continue
         kv_chunks = _chunk_ids((me - step) % n, n, layout)
         for k_part, v_part, kv_seg, c in zip(split(k), split(v), split(kv_segment_ids),
                                              kv_chunks):

@@ -47,6 +47,52 @@ def chunk_pair(band, length, chunks, q_chunk, kv_chunk, run, nothing, *args):
     return lax.switch(which, branches, *args)
 
 
+CAUSAL = (None, 0)  # `chunk_pair`'s band of causal attention
+_FULL = (None, None)
+
+
+def causal_zigzag_pairs(step, me):
+    """The chunk pairs a causal ring in the zigzag layout runs at `step` on device `me`
+    (traced): (q part, kv part, band) over the device's two halves (me, 2n-1-me) and
+    the two it holds, (c, 2n-1-c) of device c = me - step. At step 0 those are its own:
+    both diagonals and its late queries on its early keys. Later the late queries see
+    all of c, and one more full pair is visible: the early queries on c where c came
+    from an earlier device (step <= me), else the late queries on 2n-1-c. That pair's
+    parts are a traced index for `pick` rather than a `lax.switch` (`chunk_pair`),
+    which on GPU stops the stream to read its branch on the host."""
+    if step == 0:
+        return [(0, 0, CAUSAL), (1, 1, CAUSAL), (1, 0, _FULL)]
+    late = (step > me).astype(jnp.int32)
+    return [(1, 0, _FULL), (late, late, _FULL)]
+
+
+def pick(parts, i):
+    """parts[i], for i a Python int or a traced 0 / 1 (a select); None parts stay None."""
+    if isinstance(i, int) or parts[0] is None:
+        return parts[i if isinstance(i, int) else 0]
+    return jnp.where(i == 0, parts[0], parts[1])
+
+
+def merge_picked(acc, i, part):
+    """Merge part (out, lse) into acc[i] (i as `pick`'s). A traced i merges into every
+    part, with weight 0 (lse -inf) where it picks another."""
+    for j in range(len(acc)):
+        if isinstance(i, int) and i != j:
+            continue
+        p = part if isinstance(i, int) else (part[0], jnp.where(i == j, part[1], -jnp.inf))
+        acc[j] = p if acc[j] is None else merge(acc[j], p)
+
+
+def add_picked(acc, i, value):
+    """acc[i] += value (i as `pick`'s; a traced i adds zeros to the other part)."""
+    for j in range(len(acc)):
+        if isinstance(i, int):
+            if i == j:
+                acc[j] = acc[j] + value
+        else:
+            acc[j] = acc[j] + jnp.where(i == j, value, 0.0)
+
+
 @dataclasses.dataclass(frozen=True)
 class Cut:
     """How one chunk pair runs its band lo <= j - i <= hi (`chunk_pair`'s): as `window`
@@ -140,6 +186,10 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     for step in range(n):
         if step:
             k, v = hop((k, v), axis_name, n)
+        if layout.zigzag and _band(spec) == CAUSAL:
+            for qi, ki, band in causal_zigzag_pairs(step, me):
+                merge_picked(acc, qi, run(*band, pick(q_parts, qi), pick(k, ki), pick(v, ki)))
+            continue
         for k_part, v_part, c in zip(k, v, layout.chunks((me - step) % n)):
             for i, (q_part, a) in enumerate(zip(q_parts, layout.chunks(me))):
                 part = chunk_pair(_band(spec), layout.length, layout.total, a, c, run,
@@ -162,6 +212,15 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     for step in range(n):
         if step:
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
+        if layout.zigzag and _band(spec) == CAUSAL:
+            for qi, ki, band in causal_zigzag_pairs(step, me):
+                rows = tuple(pick(column, qi) for column in zip(*q_rows))
+                parts = _pair_backward(differentiate, spec, rows, *band, pick(k, ki),
+                                       pick(v, ki))
+                add_picked(dq, qi, parts[0])
+                add_picked(dk, ki, parts[1])
+                add_picked(dv, ki, parts[2])
+            continue
         for j, c in enumerate(layout.chunks((me - step) % n)):
             for i, a in enumerate(layout.chunks(me)):
                 def nothing(k, v, q=q_rows[i][0]):
