@@ -193,8 +193,8 @@ def parse(argv):
     ap.add_argument("--log-every", type=int, default=10)
     ap.add_argument("--shard", choices=("data", "seq"),
                     help="over all local devices, params replicated: data splits the "
-                         "batch, seq splits every sequence (jax_fa4 then runs ring "
-                         "attention)")
+                         "batch, seq splits every sequence, the layers running on each "
+                         "device's chunk (jax_fa4 then runs ring attention)")
     ap.add_argument("--json", help="append a JSON record of the run to this file")
     args = ap.parse_args(argv)
     if args.preset is None:
@@ -224,7 +224,9 @@ def main(argv=None) -> dict:
     mesh = Mesh(np.array(devices), ("devices",))
     replicated = NamedSharding(mesh, PartitionSpec())
     by_seq = args.shard == "seq"
-    # Data parallel splits the batch of tokens; sequence parallel the attention operands.
+    # Data parallel splits the batch of tokens. Sequence parallel splits every sequence:
+    # inputs and targets in chunks (loss_fn), so the per-token layers run on each
+    # device's chunk and only attention crosses devices (jax_fa4: the ring).
     batch_sharding = replicated if by_seq else NamedSharding(mesh, PartitionSpec("devices"))
     seq_sharding = NamedSharding(mesh, PartitionSpec(None, "devices")) if by_seq else None
 
@@ -248,9 +250,12 @@ def main(argv=None) -> dict:
         out_shardings=batch_sharding)
 
     def loss_fn(params, tokens):
-        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits, tokens[:, 1:]).mean()
+        inputs, targets = tokens[:, :-1], tokens[:, 1:]
+        if by_seq:
+            inputs, targets = (jax.lax.with_sharding_constraint(x, seq_sharding)
+                               for x in (inputs, targets))
+        logits = nnx.merge(graphdef, params)(inputs)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
 
     @functools.partial(jax.jit, donate_argnums=0, out_shardings=replicated)
     def train_step(state, tokens):
