@@ -18,6 +18,10 @@ each device attends its own chunk at every step, the same kernels and merges wit
 the transfers. t(n GPUs) - that is the communication left exposed; that - t(1 GPU) / n
 is the ring's own compute overhead (merges, smaller kernels, uneven work).
 
+--timeline traces one call of each ring and prints where GPU 0's time went
+(bench/timeline.py): attention kernels, NCCL kernels (the hops) and how much of them ran
+under an attention kernel, other kernels, idle.
+
 Scaling efficiency = t(1 GPU) / (n * t(n GPUs)); TFLOP/s per GPU uses bench/flops.py
 (visible pairs only: causal halves them, documents divide them). Appends one JSON line
 per measurement to --out.
@@ -25,6 +29,7 @@ per measurement to --out.
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 from unittest import mock
@@ -37,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_fa4
 from bench.flops import attention_flops
+from bench.timeline import timeline
 from bench.timing import _wall_ms
 
 AXIS = "s"
@@ -84,14 +90,15 @@ def with_backward(attn):
     return run
 
 
-def timed(name, attn, inputs, iterations):
+def timed(name, attn, inputs, iterations, trace=False):
     """Wall-clock ms of the forward ("fwd") or forward + backward ("fwd_bwd");
-    inputs = (q, k, v, ids, dout)."""
+    inputs = (q, k, v, ids, dout). trace: -> (ms, GPU 0's Timeline of one more call)."""
     fn, args = (attn, inputs[:4]) if name == "fwd" else (with_backward(attn), inputs)
     jitted = jax.jit(fn)
     for _ in range(2):
         jax.block_until_ready(jitted(*args))
-    return _wall_ms(jitted, *args, iterations=iterations)
+    ms = _wall_ms(jitted, *args, iterations=iterations)
+    return (ms, timeline(jitted, *args)) if trace else ms
 
 
 def _counts(text, available):
@@ -116,6 +123,8 @@ def main():
                     help="equal documents packed in the sequence (segment ids)")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the shard_map ring without its K/V transfers")
+    ap.add_argument("--timeline", action="store_true",
+                    help="also print where GPU 0's time goes in each ring (one traced call)")
     ap.add_argument("--iterations", type=int, default=5)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."),
                                                   "context_parallel.jsonl"))
@@ -168,9 +177,14 @@ def main():
                     in_ring = jax.device_put(laid, shardings)
                     contiguous = jax.device_put(host, shardings)
                     t_ring = timed(name, ring_shard_map(mesh, causal), in_ring,
-                                   args.iterations)
-                    t_auto = timed(name, single(causal), contiguous, args.iterations)
+                                   args.iterations, args.timeline)
+                    t_auto = timed(name, single(causal), contiguous, args.iterations,
+                                   args.timeline)
                     record = {}
+                    if args.timeline:
+                        (t_ring, line_ring), (t_auto, line_auto) = t_ring, t_auto
+                        record["timeline_shard_map"] = dataclasses.asdict(line_ring)
+                        record["timeline_auto"] = dataclasses.asdict(line_auto)
                     if args.breakdown:
                         with hops_removed():
                             record["ms_shard_map_no_transfers"] = timed(
@@ -181,7 +195,11 @@ def main():
                     print(f"| {n} | {causal} | {name} | {t1:.1f} | {t_ring:.1f} | "
                           f"{t_auto:.1f} | {eff[0]:.0%} / {eff[1]:.0%} | "
                           f"{per_gpu[0]:.0f} / {per_gpu[1]:.0f} / {per_gpu[2]:.0f} |"
-                          + "".join(f" {t:.1f} |" for t in record.values()), flush=True)
+                          + "".join(f" {t:.1f} |" for t in record.values()
+                                    if isinstance(t, float)), flush=True)
+                    if args.timeline:
+                        print(f"|   | GPU 0 timeline | shard_map: {line_ring} | "
+                              f"jit: {line_auto} |", flush=True)
                     out.write(json.dumps({
                         "devices": n, "device": gpus[0].device_kind, "seqlen": s,
                         "documents": docs, "heads": h, "head_dim": d, "causal": causal,
