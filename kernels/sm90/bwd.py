@@ -68,6 +68,7 @@ from cutlass.tensor_utils import LayoutEnum
 from kernels.config import BwdConfig
 from kernels.sm90 import mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
+from kernels.sm90.softmax import LOG2_E
 
 WARPGROUP = 128
 WARP = 32
@@ -75,7 +76,6 @@ VEC = 8  # 16-bit values per 16-byte access
 KEYS_PER_CONSUMER = 64
 PRODUCER_REGS = 24
 CONSUMER_REGS = 240
-LOG2_E = math.log2(math.e)
 DTYPES = {"bf16": BFloat16, "fp16": Float16}
 QUAD = 4  # fp32 dQ accumulator values per 16-byte access
 

@@ -27,18 +27,16 @@ not kept: the row's M first and the weights through shared memory, 3.6-3.9 us; t
 loads of 16 splits at a time, each predicated, before any merge, 5.5 us.
 """
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
+
+from kernels.sm90.softmax import LN2, LOG2_E
 
 WARP = 32
 ROWS_PER_CTA = 4
 QUAD = 4  # fp32 values per 16-byte access
 SPLITS_IN_FLIGHT = 8
-LOG2_E = math.log2(math.e)
-LN2 = math.log(2.0)
 
 
 def unpacked(mO: cute.Tensor, mLSE: cute.Tensor, group: Int32):

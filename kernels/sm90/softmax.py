@@ -23,6 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 LN2 = math.log(2.0)
+LOG2_E = math.log2(math.e)
 
 
 def _quad_allreduce(x: Float32, op) -> Float32:
