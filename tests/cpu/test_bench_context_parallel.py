@@ -1,0 +1,26 @@
+"""bench.context_parallel's device counts (the runs themselves need 2 or more GPUs)."""
+
+import importlib
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def context_parallel(monkeypatch):
+    # From the checkout, like bench.compare's test (the tests import the installed jax_fa4).
+    monkeypatch.syspath_prepend(str(REPO))
+    return importlib.import_module("bench.context_parallel")
+
+
+def test_device_counts_default_to_all_and_come_sorted(context_parallel):
+    assert context_parallel._counts(None, 4) == [4]
+    assert context_parallel._counts("4,2,2", 4) == [2, 4]
+
+
+@pytest.mark.parametrize("text", ["1,2", "2,8"])
+def test_device_counts_outside_two_to_local_are_refused(context_parallel, text):
+    with pytest.raises(ValueError, match="--devices"):
+        context_parallel._counts(text, 4)
