@@ -90,15 +90,20 @@ def with_backward(attn):
     return run
 
 
-def timed(name, attn, inputs, iterations, trace=False):
-    """Wall-clock ms of the forward ("fwd") or forward + backward ("fwd_bwd");
-    inputs = (q, k, v, ids, dout). trace: -> (ms, GPU 0's Timeline of one more call)."""
+def compiled(name, attn, inputs):
+    """(jitted and warmed up, its arguments) of the forward ("fwd") or forward + backward
+    ("fwd_bwd"); inputs = (q, k, v, ids, dout)."""
     fn, args = (attn, inputs[:4]) if name == "fwd" else (with_backward(attn), inputs)
     jitted = jax.jit(fn)
     for _ in range(2):
         jax.block_until_ready(jitted(*args))
-    ms = _wall_ms(jitted, *args, iterations=iterations)
-    return (ms, timeline(jitted, *args)) if trace else ms
+    return jitted, args
+
+
+def wall_ms(call, iterations):
+    """Wall-clock ms of a `compiled` call."""
+    fn, args = call
+    return _wall_ms(fn, *args, iterations=iterations)
 
 
 def _counts(text, available):
@@ -157,15 +162,16 @@ def main():
     print(f"# {counts} x {gpus[0].device_kind}, jax {jax.__version__}, seqlen {s}, "
           f"{docs} document(s), heads {h}, head_dim {d}, bf16, wall clock, "
           f"{args.iterations} iterations")
-    extra = " shard_map without transfers ms |" if args.breakdown else ""
+    bare_column = " shard_map without transfers ms |" if args.breakdown else ""
     print("| GPUs | causal | pass | 1 GPU ms | shard_map ring ms | auto ring ms | "
-          f"efficiency (shard_map / auto) | TFLOP/s per GPU (1 / shard_map / auto) |{extra}")
-    print("|---|---|---|---|---|---|---|---|" + ("---|" if extra else ""))
+          f"efficiency (shard_map / auto) | TFLOP/s per GPU (1 / shard_map / auto) |"
+          f"{bare_column}")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if args.breakdown else ""))
     on_one = jax.device_put(host, gpus[0])
     with open(args.out, "a") as out:
         for causal in (m == "true" for m in masks):
             for name in ("fwd", "fwd_bwd"):
-                t1 = timed(name, single(causal), on_one, args.iterations)
+                t1 = wall_ms(compiled(name, single(causal), on_one), args.iterations)
                 flops = attention_flops(1, h, s, s, d, causal, "fwd", documents=docs)
                 flops *= 1.0 if name == "fwd" else 3.5
                 for n in counts:
@@ -176,27 +182,27 @@ def main():
                                  for x in host)
                     in_ring = jax.device_put(laid, shardings)
                     contiguous = jax.device_put(host, shardings)
-                    t_ring = timed(name, ring_shard_map(mesh, causal), in_ring,
-                                   args.iterations, args.timeline)
-                    t_auto = timed(name, single(causal), contiguous, args.iterations,
-                                   args.timeline)
-                    record = {}
-                    if args.timeline:
-                        (t_ring, line_ring), (t_auto, line_auto) = t_ring, t_auto
-                        record["timeline_shard_map"] = dataclasses.asdict(line_ring)
-                        record["timeline_auto"] = dataclasses.asdict(line_auto)
+                    ring = compiled(name, ring_shard_map(mesh, causal), in_ring)
+                    auto = compiled(name, single(causal), contiguous)
+                    t_ring, t_auto = (wall_ms(c, args.iterations) for c in (ring, auto))
+                    record, bare = {}, ""
                     if args.breakdown:
                         with hops_removed():
-                            record["ms_shard_map_no_transfers"] = timed(
-                                name, ring_shard_map(mesh, causal), in_ring, args.iterations)
+                            no_hops = compiled(name, ring_shard_map(mesh, causal), in_ring)
+                            record["ms_shard_map_no_transfers"] = wall_ms(no_hops,
+                                                                          args.iterations)
+                        bare = f" {record['ms_shard_map_no_transfers']:.1f} |"
+                    if args.timeline:
+                        line_ring, line_auto = (timeline(fn, *a) for fn, a in (ring, auto))
+                        record["timeline_shard_map"] = dataclasses.asdict(line_ring)
+                        record["timeline_auto"] = dataclasses.asdict(line_auto)
                     eff = [t1 / (n * t) for t in (t_ring, t_auto)]
                     per_gpu = [flops / (t * 1e-3) / 1e12 / k
                                for t, k in ((t1, 1), (t_ring, n), (t_auto, n))]
                     print(f"| {n} | {causal} | {name} | {t1:.1f} | {t_ring:.1f} | "
                           f"{t_auto:.1f} | {eff[0]:.0%} / {eff[1]:.0%} | "
-                          f"{per_gpu[0]:.0f} / {per_gpu[1]:.0f} / {per_gpu[2]:.0f} |"
-                          + "".join(f" {t:.1f} |" for t in record.values()
-                                    if isinstance(t, float)), flush=True)
+                          f"{per_gpu[0]:.0f} / {per_gpu[1]:.0f} / {per_gpu[2]:.0f} |{bare}",
+                          flush=True)
                     if args.timeline:
                         print(f"|   | GPU 0 timeline | shard_map: {line_ring} | "
                               f"jit: {line_auto} |", flush=True)

@@ -84,11 +84,12 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
 
     q_parts, q_seg_parts = split(q), split(q_segment_ids)
     q_chunks = _chunk_ids(me, n, layout)
+    causal_zigzag = halves == 2 and (left, right) == CAUSAL
     acc = [None] * halves
     for step in range(n):
         if step:  # one hop: device i sends its K/V (and their ids) to device i + 1
             k, v, kv_segment_ids = hop((k, v, kv_segment_ids), axis_name, n)
-        if halves == 2 and (left, right) == CAUSAL:
+        if causal_zigzag:
             k_parts, v_parts, kv_seg_parts = (split(x) for x in (k, v, kv_segment_ids))
             for qi, ki, (lo, hi) in causal_zigzag_pairs(step, me):
                 merge_picked(acc, qi, run(lo, hi, pick(q_parts, qi), pick(k_parts, ki),

@@ -182,11 +182,12 @@ def ring_forward(attend, spec, axis_name, q, k, v):
     n, me = lax.axis_size(axis_name), lax.axis_index(axis_name)
     layout = _Layout.of(spec, axis_name, n, q, k)
     q_parts, k, v = (layout.parts(x, 1) for x in (q, k, v))
+    causal_zigzag = layout.zigzag and _band(spec) == CAUSAL
     acc = [None] * len(q_parts)
     for step in range(n):
         if step:
             k, v = hop((k, v), axis_name, n)
-        if layout.zigzag and _band(spec) == CAUSAL:
+        if causal_zigzag:
             for qi, ki, band in causal_zigzag_pairs(step, me):
                 merge_picked(acc, qi, run(*band, pick(q_parts, qi), pick(k, ki), pick(v, ki)))
             continue
@@ -209,10 +210,11 @@ def ring_backward(differentiate, spec, axis_name, q, k, v, out, dout, lse, dlse)
     k, v = layout.parts(k, 1), layout.parts(v, 1)
     dq = [_zeros(r[0]) for r in q_rows]
     dk, dv = [_zeros(x) for x in k], [_zeros(x) for x in v]
+    causal_zigzag = layout.zigzag and _band(spec) == CAUSAL
     for step in range(n):
         if step:
             k, v, dk, dv = hop((k, v, dk, dv), axis_name, n)
-        if layout.zigzag and _band(spec) == CAUSAL:
+        if causal_zigzag:
             for qi, ki, band in causal_zigzag_pairs(step, me):
                 rows = tuple(pick(column, qi) for column in zip(*q_rows))
                 parts = _pair_backward(differentiate, spec, rows, *band, pick(k, ki),

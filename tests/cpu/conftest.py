@@ -1,5 +1,6 @@
 """Fixtures for the CPU tests."""
 
+import importlib
 import pathlib
 import types
 
@@ -11,6 +12,14 @@ import pytest
 from jax_fa4 import _fallback, _registry
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def bench_module(monkeypatch):
+    """load(name) -> the checkout's bench.<name>. bench is not installed, and the tests
+    import the installed jax_fa4 (the pytest executable keeps the checkout off sys.path)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    return lambda name: importlib.import_module(f"bench.{name}")
 
 
 @pytest.fixture

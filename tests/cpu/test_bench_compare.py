@@ -1,10 +1,6 @@
 """bench.compare: old / new per cell over both repetitions of bench/ab.sh."""
 
-import importlib
 import json
-import pathlib
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _write(path, ms):
@@ -13,10 +9,8 @@ def _write(path, ms):
     path.write_text("".join(json.dumps(r) + "\n" for r in cells))
 
 
-def test_speedups_per_cell_and_group(tmp_path, capsys, monkeypatch):
-    # From the checkout, like bench.plot's test (the tests import the installed jax_fa4).
-    monkeypatch.syspath_prepend(str(REPO))
-    compare = importlib.import_module("bench.compare")
+def test_speedups_per_cell_and_group(tmp_path, capsys, bench_module):
+    compare = bench_module("compare")
     _write(tmp_path / "base-1.jsonl", (1.0, 2.0))
     _write(tmp_path / "base-2.jsonl", (1.0, 2.0))
     _write(tmp_path / "new-1.jsonl", (0.5, 2.5))
@@ -27,10 +21,9 @@ def test_speedups_per_cell_and_group(tmp_path, capsys, monkeypatch):
     assert "fwd d64 causal: 0.800 - 1.000" in out
 
 
-def test_only_the_cells_both_builds_measured(tmp_path, capsys, monkeypatch):
+def test_only_the_cells_both_builds_measured(tmp_path, capsys, bench_module):
     # The old build's file may hold more cells (an earlier run appended to it).
-    monkeypatch.syspath_prepend(str(REPO))
-    compare = importlib.import_module("bench.compare")
+    compare = bench_module("compare")
     for rep in (1, 2):
         _write(tmp_path / f"base-{rep}.jsonl", (1.0, 2.0))
         cell = {"mode": "fwd", "d": 64, "causal": False, "s": 2048, "b": 8, "h": 32, "ms": 0.5}

@@ -1,18 +1,11 @@
 """bench.context_parallel's device counts (the runs themselves need 2 or more GPUs)."""
 
-import importlib
-import pathlib
-
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def context_parallel(monkeypatch):
-    # From the checkout, like bench.compare's test (the tests import the installed jax_fa4).
-    monkeypatch.syspath_prepend(str(REPO))
-    return importlib.import_module("bench.context_parallel")
+def context_parallel(bench_module):
+    return bench_module("context_parallel")
 
 
 def test_device_counts_default_to_all_and_come_sorted(context_parallel):

@@ -1,20 +1,12 @@
 """bench.run --kernels: how a call's kernels are named and printed (the CUPTI
 measurement itself needs a GPU)."""
 
-import importlib
-import pathlib
-
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def bench(monkeypatch):
-    """bench.run and bench.timing, from the checkout (the tests import the installed
-    jax_fa4, and bench is not installed)."""
-    monkeypatch.syspath_prepend(str(REPO))
-    return importlib.import_module("bench.run"), importlib.import_module("bench.timing")
+def bench(bench_module):
+    return bench_module("run"), bench_module("timing")
 
 
 @pytest.mark.parametrize("name, short", [

@@ -1,20 +1,14 @@
 """bench.plot: which JSON lines are standard cells, which value a cell keeps, and that
 both plots are written."""
 
-import importlib
 import json
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture
-def plot(monkeypatch):
-    """bench.plot, from the checkout (the tests import the installed jax_fa4)."""
-    monkeypatch.syspath_prepend(str(REPO))
-    return importlib.import_module("bench.plot")
+def plot(bench_module):
+    return bench_module("plot")
 
 
 def _line(**fields):

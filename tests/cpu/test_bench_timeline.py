@@ -1,19 +1,12 @@
 """bench/timeline.py's bookkeeping: kernels sorted by kind, intervals merged and
 intersected (the trace itself needs a GPU)."""
 
-import importlib
-import pathlib
-
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def timeline(monkeypatch):
-    # From the checkout, like bench.compare's test (the tests import the installed jax_fa4).
-    monkeypatch.syspath_prepend(str(REPO))
-    return importlib.import_module("bench.timeline")
+def timeline(bench_module):
+    return bench_module("timeline")
 
 
 def test_kernels_are_sorted_into_attention_nccl_and_other(timeline):
