@@ -86,7 +86,7 @@ def _dv_floor(q, k, v, dout, sinks, segments, *, causal, softmax_scale, compute_
     mask = {"causal": causal, "alignment": alignment, "window": window}
     _, lse = reference_attention(*f32[:3], softmax_scale=softmax_scale, sinks=sinks,
                                  softcap=softcap, **mask, **(segments or {}))
-    *lead, sq, heads_q, head_dim = q.shape
+    *lead, sq, _, _ = q.shape
     heads_kv = k.shape[-2]
     grouped = lambda x: x.reshape(*lead, sq, heads_kv, -1, x.shape[-1])  # noqa: E731
     s = jnp.einsum("...qhgd,...khd->...hgqk", grouped(f32[0]), f32[1],
@@ -103,7 +103,7 @@ def _dv_floor(q, k, v, dout, sinks, segments, *, causal, softmax_scale, compute_
     if sq % pieces:
         raise ValueError(f"{pieces} query pieces do not divide Sq = {sq}")
     p = p.reshape(*p.shape[:-2], pieces, sq // pieces, p.shape[-1])
-    do = f32[3].reshape(*lead, pieces, sq // pieces, heads_kv, -1, head_dim)
+    do = f32[3].reshape(*lead, pieces, sq // pieces, heads_kv, -1, dout.shape[-1])
     dv = jnp.einsum("...hgpqk,...pqhgd->...pkhd", p, do, precision="highest")
     summed = dv.astype(v.dtype).astype(jnp.float32).sum(axis=-4)
     if pieces == 1:
