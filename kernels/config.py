@@ -312,6 +312,13 @@ class BwdTile:
 # 0.98-1.09x, d128 1.00-1.10x, d256 1.31-1.47x. A 2-CTA pair that halves the adds can
 # buy at most about half of that, so d64's gap to upstream FA4 lies in the main
 # kernel's own work (per-kernel CUPTI at 8k: 6.48 ms against cuDNN's 5.67).
+# Also measured (H100, 2026-11-26, alternated twice in one call, against these tiles):
+# d64 with m=128 and dS computed from the 16-bit P (P rounded as the numerics rule's
+# `lp` rounds it; that frees the fp32 P, so ptxas no longer serializes the wgmma, C7512)
+# 0.93-0.98; the 16-bit P alone at d128 (m=64) 0.89-0.95: converting P back to fp32
+# sits on the softmax's path. Q and dO rings of 4 stages at d64 and 3 at d96: 0.96-1.04
+# and 0.94-1.09, while the unchanged d128 cells of the same runs spread 0.88-1.03: no
+# gain above the noise. None kept.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
