@@ -16,9 +16,10 @@
 // normalized per split and lse (..., num_splits, H, Sq) (an empty split gives 0 and
 // -inf), and its combine kernel merges them into out and lse; with unpack_group (i32) g
 // > 1 those two are the caller's of a pack-GQA call, (..., Sq / g, H * g, Dv) and (...,
-// H * g, Sq / g) (ffi/kernel_table.h), and a decode step's q (Sq / g = 1) may come
-// unpacked too, (..., 1, H * g, D). Without a split the partials' results are unused
-// (any size) and unpack_group must be 1. A fourth operand after the segment ones, the page table (..., max_pages) int32,
+// H * g, Sq / g) (ffi/kernel_table.h). q_heads_as_rows (bool) says that a decode step's q
+// comes unpacked, (..., 1, H * g, D): the kernel reads its g heads per K/V head as g
+// rows through strides (a split with g > 1 and one position only). Without a split the
+// partials' results are unused (any size) and unpack_group must be 1. A fourth operand after the segment ones, the page table (..., max_pages) int32,
 // selects the paged variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv)
 // with page_size a multiple of kPageRows, and Sk is max_pages * page_size
 // (kernels/sm90/paged.py).
@@ -144,7 +145,7 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                          bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          bool split_kernel, int32_t num_splits,
-                         int32_t /*unpack_group*/) {
+                         int32_t /*unpack_group*/, bool /*q_heads_as_rows*/) {
   auto max_pages = MaxPages(segments);
   if (max_pages.has_error()) return max_pages.error();
   auto problem = Select(q, k, v, banded, softcap, segments.size() > 0, split_kernel,
@@ -161,7 +162,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::Result<ffi::Buffer<ffi::F32>> lse_part, bool banded,
                       float softmax_scale, int32_t window_left, int32_t window_right,
                       bool top_left, float softcap, bool split_kernel,
-                      int32_t num_splits, int32_t unpack_group) {
+                      int32_t num_splits, int32_t unpack_group, bool q_heads_as_rows) {
   auto max_pages = MaxPages(segment_args);
   if (max_pages.has_error()) return max_pages.error();
   auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, split_kernel,
@@ -169,13 +170,17 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (problem.has_error()) return problem.error();
   FwdProblem p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
-  // A pack-GQA decode step (one position) may pass q in the caller's layout, (..., 1,
-  // heads_kv * g, D): the split kernel reads its g heads per K/V head as g rows through
-  // q_strides, with no transpose. (A packed q has heads_kv heads and g rows or more.)
+  // A pack-GQA decode step's q in the caller's layout, (..., 1, heads_kv * g, D): the
+  // split kernel reads its g heads per K/V head as g rows through q_strides, with no
+  // transpose.
   const int64_t row = p.heads * p.head_dim;
   int64_t q_strides[3] = {p.seqlen_q * row, row, p.head_dim};
-  if (split_kernel && unpack_group > 1 && p.seqlen_q == 1 &&
-      p.heads == p.heads_kv * unpack_group) {
+  if (q_heads_as_rows) {
+    if (!split_kernel || unpack_group < 2 || p.seqlen_q != 1 ||
+        p.heads != p.heads_kv * unpack_group)
+      return ffi::Error::InvalidArgument(
+          where + ": q_heads_as_rows needs split_kernel, unpack_group g > 1 and q of one "
+                  "position with heads_kv * g heads");
     q_strides[1] = p.head_dim;
     q_strides[2] = unpack_group * p.head_dim;
     p.seqlen_q = unpack_group;
@@ -197,15 +202,14 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
     page_table = table->untyped_data();
   }
 
-  const bool split = split_kernel;
   const int64_t out_count = p.batch * p.seqlen_q * p.heads * p.head_dim_v;
   const int64_t lse_count = p.batch * p.heads * p.seqlen_q;
   if (out->element_type() != q.element_type() || out->element_count() != out_count ||
       lse->element_count() != lse_count || tile_counter->element_count() < 1 ||
-      (split && (out_part->element_count() != num_splits * out_count ||
+      (split_kernel && (out_part->element_count() != num_splits * out_count ||
                  lse_part->element_count() != num_splits * lse_count)))
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
-  if (unpack_group < 1 || p.seqlen_q % unpack_group != 0 || (!split && unpack_group != 1))
+  if (unpack_group < 1 || p.seqlen_q % unpack_group != 0 || (!split_kernel && unpack_group != 1))
     return ffi::Error::InvalidArgument(where + ": unpack_group must divide Sq, and be 1 "
                                        "without a split");
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
@@ -223,7 +227,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                        "sequence lengths < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
                    lse->typed_data()}) ||
-      (split && !TmaAligned({out_part->typed_data(), lse_part->typed_data()})))
+      (split_kernel && !TmaAligned({out_part->typed_data(), lse_part->typed_data()})))
     return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
   if (!IsLoaded(*p.kernel, device))
     return ffi::Error::Internal(where + ": module not loaded onto device " +
@@ -288,7 +292,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Attr<float>("softcap")         // selects the kernel
                                   .Attr<bool>("split_kernel")     // selects the kernel
                                   .Attr<int32_t>("num_splits")    // checked
-                                  .Attr<int32_t>("unpack_group"));  // unused here
+                                  .Attr<int32_t>("unpack_group")     // unused here
+                                  .Attr<bool>("q_heads_as_rows"));   // unused here
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -312,5 +317,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Attr<float>("softcap")
                                   .Attr<bool>("split_kernel")
                                   .Attr<int32_t>("num_splits")
-                                  .Attr<int32_t>("unpack_group"),
+                                  .Attr<int32_t>("unpack_group")
+                                  .Attr<bool>("q_heads_as_rows"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -23,7 +23,7 @@ BWD_TARGET = "jax_fa4_bwd"
 
 
 def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1,
-        unpack=None):
+        unpack=None, q_heads_as_rows=False):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of
     `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
@@ -34,12 +34,15 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     page_size, Hkv, D) and v are caches and `pages` (B, max_pages) int32 their table
     (`_paged`). `unpack(out, lse)` maps the kernel's layout to the caller's (pack-GQA:
     rows_per_position g > 1), on the last three axes of out and two of lse; a split's
-    combine writes the caller's layout itself, and takes a decode step's q (one
-    position, (B, 1, H * g, D)) in the caller's layout too."""
+    combine writes the caller's layout itself. `q_heads_as_rows`: q is a decode step's
+    in the caller's layout (one position, (B, 1, H * g, D)), which the split kernel
+    reads as the packed problem's g rows per K/V head."""
     *lead, sq, heads, _ = q.shape
     dv, g = v.shape[-1], rows_per_position
     split = spec.split_kernel
-    if g > 1 and sq == 1:  # q in the caller's layout: the packed problem's rows and heads
+    if q_heads_as_rows:
+        if not (split and g > 1 and sq == 1):
+            raise ValueError("q_heads_as_rows needs a split kernel, pack-GQA and one position")
         sq, heads = g, heads // g
     if split and g > 1:
         out_shape, lse_shape = (*lead, sq // g, heads * g, dv), (*lead, heads * g, sq // g)
@@ -64,7 +67,8 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
         (pages,) if spec.paged else ())
     out, lse, *_workspaces = call(q, k, v, *extra, **spec.ffi_attributes(),
-                                  unpack_group=np.int32(g if split else 1))
+                                  unpack_group=np.int32(g if split else 1),
+                                  q_heads_as_rows=q_heads_as_rows)
     if unpack is not None and not split:
         out, lse = unpack(out, lse)
     return vary_like((q, k, v), (out, lse))

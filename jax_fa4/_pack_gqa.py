@@ -77,11 +77,12 @@ def fwd(q, k, v, *segments, spec, pages=None):
     # A split's combine kernel writes the caller's layout itself; else `unpack` runs.
     # The split kernel reads a decode step's q (one position) in place, its group's heads
     # as rows through strides (ffi/attention_fwd.cc).
-    in_place = spec.split_kernel and q.shape[1] == 1
+    in_place = spec.split_kernel and q.shape[1] == 1 and g > 1
     return _ffi_calls.fwd(q if in_place else _rows(q, g), k, v,
                           *_segments(segments, spec, q, k),
                           spec=spec, pages=pages, rows_per_position=g,
-                          unpack=lambda out, lse: (_unrows(out, g), _lse_unrows(lse, g)))
+                          unpack=lambda out, lse: (_unrows(out, g), _lse_unrows(lse, g)),
+                          q_heads_as_rows=in_place)
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec):

@@ -20,10 +20,11 @@ from jaxlib import xla_client
 import jax_fa4
 from jax_fa4 import _api, _path, _registry
 
-# Attributes print in alphabetical order; num_splits and softcap sit between the ones
-# read here.
+# Attributes print in alphabetical order; num_splits, q_heads_as_rows and softcap sit
+# between the ones read here.
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
-                  r"banded = (true|false), num_splits = \d+ : i32, softcap = \S+ : f32, "
+                  r"banded = (true|false), num_splits = \d+ : i32, "
+                  r"q_heads_as_rows = (?:true|false), softcap = \S+ : f32, "
                   r"softmax_scale = (\S+) : f32")
 BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?banded = (true|false), "
                       r"deterministic = (true|false), softcap = \S+ : f32, "

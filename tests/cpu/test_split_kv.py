@@ -66,7 +66,7 @@ def test_decode_lowers_to_the_split_kernel(built):
     assert operands.startswith("tensor<1x1x32x128xbf16>, "), operands
     assert "transpose" not in text
     assert "banded = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
-    assert "unpack_group = 4 : i32" in attrs, attrs
+    assert "unpack_group = 4 : i32" in attrs and "q_heads_as_rows = true" in attrs, attrs
     # out, lse, the tile counter, then the partials of the packed rows (the 4 query
     # heads of each KV head).
     assert results == ("tensor<1x1x32x128xbf16>, tensor<1x32x1xf32>, tensor<1xi32>, "
