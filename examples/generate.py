@@ -165,7 +165,11 @@ class Paged:
         positions = length + jnp.arange(k.shape[1])
         page = self.table[:, positions // self.cfg.page_size]  # (B, S)
         slot = jnp.broadcast_to(positions % self.cfg.page_size, page.shape)
-        return cache[0].at[page, slot].set(k), cache[1].at[page, slot].set(v)
+        # Each sequence owns its pages, so no two rows land in one slot: XLA's scatter
+        # may then skip its handling of colliding writes.
+        def put(c, x):
+            return c.at[page, slot].set(x, unique_indices=True)
+        return put(cache[0], k), put(cache[1], v)
 
     def prefill(self, q, k, v):
         return jax_fa4.attention(q, k, v, causal=True)
