@@ -10,7 +10,8 @@ import argparse
 import json
 import pathlib
 
-KEY = ("mode", "d", "causal", "s", "b", "h")
+# A run may time several backends (jax_fa4_paged next to jax_fa4_lengths, say).
+KEY = ("mode", "d", "causal", "s", "b", "h", "backend")
 
 
 def _load(path: pathlib.Path) -> dict:
@@ -37,13 +38,15 @@ def main(argv=None):
         for cell in sorted(reps[0][0].keys() & reps[0][1].keys(), key=str):
             ratios = [old[cell] / fresh[cell] for old, fresh in reps
                       if cell in old and cell in fresh]
-            mode, d, causal, s = cell[:4]
-            print(f"  {mode:7} d{d:<4} {'causal' if causal else 'full':6} s{s:<6} "
-                  f"{reps[0][0][cell]:8.4f} ms  " + "  ".join(f"{x:.3f}" for x in ratios))
-            groups.setdefault((mode, d, causal), []).extend(ratios)
-        for (mode, d, causal), ratios in groups.items():
-            print(f"  {mode} d{d} {'causal' if causal else 'full'}: "
-                  f"{min(ratios):.3f} - {max(ratios):.3f}")
+            mode, d, causal, s, _, _, backend = cell
+            mask = "causal" if causal else "full"
+            name = "" if backend in (None, "jax_fa4") else f" {backend}"
+            print(f"  {mode:7} d{d:<4} {mask:6} s{s:<6} "
+                  f"{reps[0][0][cell]:8.4f} ms  " + "  ".join(f"{x:.3f}" for x in ratios)
+                  + name)
+            groups.setdefault((mode, d, mask + name), []).extend(ratios)
+        for (mode, d, mask), ratios in groups.items():
+            print(f"  {mode} d{d} {mask}: {min(ratios):.3f} - {max(ratios):.3f}")
 
 
 if __name__ == "__main__":

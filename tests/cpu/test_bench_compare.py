@@ -32,3 +32,19 @@ def test_only_the_cells_both_builds_measured(tmp_path, capsys, bench_module):
     out = capsys.readouterr().out
     assert "fwd d64 full: 2.000 - 2.000" in out
     assert "causal" not in out
+
+
+def test_backends_of_one_run_stay_apart(tmp_path, capsys, bench_module):
+    # A paged run times jax_fa4_paged next to its dense baseline, jax_fa4_lengths.
+    compare = bench_module("compare")
+    for label, paged_ms in (("base", 2.0), ("new", 1.0)):
+        for rep in (1, 2):
+            cells = [{"mode": "fwd", "d": 128, "causal": False, "s": 8192, "b": 1, "h": 32,
+                      "backend": backend, "ms": ms}
+                     for backend, ms in (("jax_fa4_paged", paged_ms), ("jax_fa4_lengths", 1.0))]
+            (tmp_path / f"{label}-{rep}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in cells))
+    compare.main([str(tmp_path), "base", "new"])
+    out = capsys.readouterr().out
+    assert "fwd d128 full jax_fa4_paged: 2.000 - 2.000" in out
+    assert "fwd d128 full jax_fa4_lengths: 1.000 - 1.000" in out
