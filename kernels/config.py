@@ -119,7 +119,9 @@ _RESCALE = 8.0
 # decode steps, 32 / 8 heads): d128 batch 1 at 8k keys 1.02-1.03x, 128k 1.02x, batch
 # 64 at 8k 0.99-1.00x, paged (pages of 64) batch 1 at 8k 1.10-1.11x; d64 batch 32 at
 # 1088 keys 1.13x, paged 1.58x. Also measured: twice as many splits (slots for two CTAs
-# per SM) 0.86-0.87x at 8k, the combine's cost growing with them.
+# per SM) 0.86-0.87x at 8k, the combine's cost growing with them; three K/V stages at
+# d64 (104 KB a CTA; H100, 2026-11-26, alternated twice): batch 32 at 1088 keys
+# 0.97-0.99x, batch 1 at 1088, 8k and 128k keys 0.98-1.01x, not kept.
 _SPLIT_TWO_PER_SM = {64: dict(ctas_per_sm=2), 96: dict(ctas_per_sm=2),
                      128: dict(n=64, ctas_per_sm=2)}
 _TILES = {
