@@ -19,10 +19,10 @@
 // H * g, Sq / g) (ffi/kernel_table.h). q_heads_as_rows (bool) says that a decode step's q
 // comes unpacked, (..., 1, H * g, D): the kernel reads its g heads per K/V head as g
 // rows through strides (a split with g > 1 and one position only). Without a split the
-// partials' results are unused (any size) and unpack_group must be 1. A fourth operand after the segment ones, the page table (..., max_pages) int32,
-// selects the paged variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv)
-// with page_size a multiple of kPageRows, and Sk is max_pages * page_size
-// (kernels/sm90/paged.py).
+// partials' results are unused (any size) and unpack_group must be 1. A fourth operand
+// after the segment ones, the page table (..., max_pages) int32, selects the paged
+// variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv) with page_size a
+// multiple of kPageRows, and Sk is max_pages * page_size (kernels/sm90/paged.py).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
@@ -207,9 +207,10 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (out->element_type() != q.element_type() || out->element_count() != out_count ||
       lse->element_count() != lse_count || tile_counter->element_count() < 1 ||
       (split_kernel && (out_part->element_count() != num_splits * out_count ||
-                 lse_part->element_count() != num_splits * lse_count)))
+                        lse_part->element_count() != num_splits * lse_count)))
     return ffi::Error::InvalidArgument(where + ": result shapes do not match the operands");
-  if (unpack_group < 1 || p.seqlen_q % unpack_group != 0 || (!split_kernel && unpack_group != 1))
+  if (unpack_group < 1 || p.seqlen_q % unpack_group != 0 ||
+      (!split_kernel && unpack_group != 1))
     return ffi::Error::InvalidArgument(where + ": unpack_group must divide Sq, and be 1 "
                                        "without a split");
   if (!(softmax_scale > 0.0f) || !std::isfinite(softmax_scale))
