@@ -14,7 +14,8 @@
 // cuts each tile's key blocks into num_splits (i32) runs, one CTA each: it
 // writes fp32 partials into two more results, out (..., num_splits, Sq, H, Dv)
 // normalized per split and lse (..., num_splits, H, Sq) (an empty split gives 0 and
-// -inf), and its combine kernel merges them into out and lse; with unpack_group (i32) g
+// -inf), and its combine kernel merges them into out and lse (with num_splits 1 the
+// kernel writes out and lse itself and no combine runs); with unpack_group (i32) g
 // > 1 those two are the caller's of a pack-GQA call, (..., Sq / g, H * g, Dv) and (...,
 // H * g, Sq / g) (ffi/kernel_table.h). q_heads_as_rows (bool) says that a decode step's q
 // comes unpacked, (..., 1, H * g, D): the kernel reads its g heads per K/V head as g

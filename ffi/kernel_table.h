@@ -41,7 +41,8 @@ struct FwdArgs {
   // Split kernels: the grid also runs over num_splits runs of each tile's key blocks,
   // which write fp32 partials o_part (batch * num_splits, seqlen_q, heads, head_dim_v)
   // and lse_part (batch * num_splits, heads, seqlen_q), batch-major; a combine kernel
-  // then writes o and lse in the caller's layout: with unpack_group g > 1 (pack-GQA),
+  // then writes o and lse in the caller's layout (with num_splits 1 the split kernel
+  // writes them itself, and no combine runs): with unpack_group g > 1 (pack-GQA),
   // row r = p * g + j of head h is query head h * g + j at position p, so o is (batch,
   // seqlen_q / g, heads * g, head_dim_v) and lse (batch, heads * g, seqlen_q / g).
   // Others ignore these: num_splits and unpack_group are 1, split_batch is batch.

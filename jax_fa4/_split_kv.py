@@ -1,7 +1,8 @@
 """Split-KV (flash-decoding): when a forward has too few query tiles to fill the GPU, the
 kernel cuts each tile's key blocks into runs, one CTA each (the split variant of the
 banded kernel, kernels/sm90/fwd.py), and a combine kernel launched after it merges their
-partial results (kernels/sm90/combine.py).
+partial results (kernels/sm90/combine.py); with one run per tile the kernel writes out
+and lse itself and no combine runs.
 
 A split s over keys K_s gives out_s = softmax(scores over K_s) V (fp32) and lse_s; the
 whole row is lse = log sum_s exp(lse_s) and out = sum_s exp(lse_s - lse) out_s, exact up
@@ -28,11 +29,11 @@ FILL = 0.8
 # Decode-shaped calls (the query rows of a batch and head, pack-GQA's included, fit one
 # split tile, over at least DECODE_MIN_BLOCKS key blocks) take the split kernel even
 # with one run per tile: its tiles of 64 rows and one consumer leave no warpgroup
-# computing padding, and its combine writes pack-GQA's layout in place of the
+# computing padding, and it writes pack-GQA's layout itself in place of the
 # transposes. Against the unsplit kernel (H200, 2026-11-26, alternated twice in one
 # call; 32 / 8 heads, kernels/config.py's split tiles): d64 batch 32 at 1088 keys
-# 1.51x, paged (pages of 64) 1.45x; d128 batch 64 at 8k 1.00x. Over fewer keys the
-# combine's launch would weigh more than the kernel saves.
+# 1.51x, paged (pages of 64) 1.45x; d128 batch 64 at 8k 1.00x (both with the combine
+# kernel then still after it).
 DECODE_SHAPED = True
 DECODE_MIN_BLOCKS = 4
 
