@@ -113,8 +113,8 @@ class Tile:
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
 _RESCALE = 8.0
 # Split tiles two to an SM (consumer_regs: 232 per consumer thread), with shared memory
-# for both: d64 and d96 keep 128-key blocks (72 / 108 KB each), d128 takes 64-key ones
-# (80 KB). Against one split CTA per SM, with the combine kernel and decode-shaped
+# for both: d96 keeps 128-key blocks (108 KB each), d64 and d128 take 64-key ones (40 /
+# 80 KB). Against one split CTA per SM, with the combine kernel and decode-shaped
 # calls on the split kernel in both (H200, 2026-11-26, alternated twice in one call;
 # decode steps, 32 / 8 heads): d128 batch 1 at 8k keys 1.02-1.03x, 128k 1.02x, batch
 # 64 at 8k 0.99-1.00x, paged (pages of 64) batch 1 at 8k 1.10-1.11x; d64 batch 32 at
@@ -122,7 +122,13 @@ _RESCALE = 8.0
 # per SM) 0.86-0.87x at 8k, the combine's cost growing with them; three K/V stages at
 # d64 (104 KB a CTA; H100, 2026-11-26, alternated twice): batch 32 at 1088 keys
 # 0.97-0.99x, batch 1 at 1088, 8k and 128k keys 0.98-1.01x, not kept.
-_SPLIT_TWO_PER_SM = {64: dict(ctas_per_sm=2), 96: dict(ctas_per_sm=2),
+# d64 with 64-key blocks instead of 128 (H100, 2026-11-26, alternated twice; decode
+# steps, 32 / 8 heads): batch 1 at 1088 keys 1.24-1.29x (twice the splits: each walks
+# two blocks instead of two or three), 2k and 8k 0.98-1.03x, 128k 0.93-0.96x (half the
+# bytes in flight per CTA); batch 32 at 1088 keys (the generation example's step)
+# 1.03-1.06x, at 8k 1.02-1.04x. With four K/V stages on top: 128k 1.05-1.07x over two
+# stages, but batch 32 at 1088 keys 0.92-0.97x; not kept.
+_SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
                      128: dict(n=64, ctas_per_sm=2)}
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
