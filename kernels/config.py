@@ -123,11 +123,11 @@ _RESCALE = 8.0
 # d64 (104 KB a CTA; H100, 2026-11-26, alternated twice): batch 32 at 1088 keys
 # 0.97-0.99x, batch 1 at 1088, 8k and 128k keys 0.98-1.01x, not kept.
 # d64 with 64-key blocks instead of 128 (H100, 2026-11-26, alternated twice; decode
-# steps, 32 / 8 heads): batch 1 at 1088 keys 1.24-1.29x (twice the splits: each walks
-# two blocks instead of two or three), 2k and 8k 0.98-1.03x, 128k 0.93-0.96x (half the
-# bytes in flight per CTA); batch 32 at 1088 keys (the generation example's step)
-# 1.03-1.06x, at 8k 1.02-1.04x. With four K/V stages on top: 128k 1.05-1.07x over two
-# stages, but batch 32 at 1088 keys 0.92-0.97x; not kept.
+# steps, 32 / 8 heads): batch 1 at 1088 keys 1.24-1.29x (twice the splits, 8 of two or
+# three 64-key blocks for 4 of two or three 128-key ones), 2k and 8k 0.98-1.03x, 128k
+# 0.93-0.96x (half the bytes in flight per CTA); batch 32 at 1088 keys (the generation
+# example's step) 1.03-1.06x, at 8k 1.02-1.04x. With four K/V stages on top: 128k
+# 1.05-1.07x over two stages, but batch 32 at 1088 keys 0.92-0.97x; not kept.
 _SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
                      128: dict(n=64, ctas_per_sm=2)}
 _TILES = {
