@@ -13,8 +13,9 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     O_s = its own softmax(s * S) V over its keys, in fp32, and LSE_s (0 and -inf when it
     sees no key), and a second kernel launched after it combines them into out and lse
     (kernels/sm90/combine.py); launched with one split (calls that fill the GPU), the
-    kernel writes out and lse itself and no combine runs. Paged variants (segment variants) read K and V in
-    place from a cache of pages through a page table (kernels/sm90/paged.py).
+    kernel writes out and lse itself and no combine runs. Paged variants (segment
+    variants) read K and V in place from a cache of pages through a page table
+    (kernels/sm90/paged.py).
 
 Operands (legend in kernels/README.md): mQ (B, Sq, H, D), mK and mV (B, Sk, H, D),
 mO (B, Sq, H, D), all row-major in dtype; mLSE (B, H, Sq) fp32; segment variants also
@@ -280,8 +281,8 @@ class FwdSm90:
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms), 1, 1)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, out, out_lse, mTileCounter, mRows, mKeys, mPlan, mPages, scale_log2, band_lo,
-            band_hi, softcap_scale, splits,
+            lse, out, out_lse, mTileCounter, mRows, mKeys, mPlan, mPages, scale_log2,
+            band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream,
