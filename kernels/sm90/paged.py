@@ -47,12 +47,12 @@ def piece_layouts(dtype, head_dim: int, head_dim_v: int, pieces: int):
 
 
 class Cache:
-    """One CTA's view of its pages: the batch's table row, the page size (the cache's
-    rows per page) and its PAGE_ROWS-key pieces per page, the number of pages and the
-    key/value head."""
+    """One CTA's view of its pages: the batch's table row, the PAGE_ROWS-key pieces per
+    page (page_size, the cache's rows per page, / PAGE_ROWS), the number of pages and
+    the key/value head."""
 
     def __init__(self, pages, page_size, num_pages, kv_head):
-        self.pages, self.page_size = pages, page_size
+        self.pages = pages
         self.pieces_per_page = page_size // PAGE_ROWS
         self.num_pages, self.kv_head = num_pages, kv_head
 
