@@ -185,6 +185,13 @@ class FwdSm90:
         self.threads = WARPGROUP * (1 + self.consumers)
         self.ctas_per_sm = cfg.tile.ctas_per_sm
         self.consumer_regs = consumer_regs(self.consumers, self.ctas_per_sm)
+        # Paged variants (one tile per CTA) load V from a second producer warp: their
+        # key blocks are many small TMA copies (16-key pieces), whose coordinates kept
+        # one warp issuing late (ncu: 5x the dense producer's instructions, consumers
+        # waiting for K/V inside the loop). Batch-1 decode over pages of 64, 8k keys,
+        # 32 / 8 heads of 128: 1.08-1.09x (kernel 10.6 -> 9.3 us), 128k 1.01x, d64
+        # batch 32 at 1088 keys 0.99-1.00x (H100, 2026-11-26, alternated twice).
+        self.v_warp = self.paged and self.schedule == "tile"
 
     @cute.jit
     def __call__(
@@ -402,7 +409,13 @@ class FwdSm90:
                         tile = self._static_tile(grid, first, stride, i)
                         q_producer, k_producer, v_producer = self.load(
                             gmem, smem, self._walk(tile, launch), q_producer, k_producer,
-                            v_producer)
+                            v_producer, "qk" if cutlass.const_expr(self.v_warp) else "qkv")
+            if cutlass.const_expr(self.v_warp):
+                if warp == 1:
+                    tile = cute.arch.block_idx()
+                    q_producer, k_producer, v_producer = self.load(
+                        gmem, smem, self._walk(tile, launch), q_producer, k_producer,
+                        v_producer, "v")
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             c, ctid = wg - 1, tidx % WARPGROUP
@@ -497,16 +510,38 @@ class FwdSm90:
         ).make_participants()
     # ------------------------------------------------------------------ producer
     @cute.jit
-    def load(self, gmem: Gmem, smem: Smem, walk: Walk, q_producer, k_producer, v_producer):
+    def load(self, gmem: Gmem, smem: Smem, walk: Walk, q_producer, k_producer, v_producer,
+             parts: cutlass.Constexpr = "qkv"):
         """The walk's tile: its Q into the next Q stage (also for a tile without keys,
         whose consumers stage their zero O there), then its key blocks, K one block ahead
-        of V; returns the advanced producers."""
+        of V; returns the advanced producers. `parts`: "qkv" all of it; "qk" Q and the K
+        blocks, "v" the V blocks (two producer warps: v_warp)."""
         (tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v) = gmem.q, gmem.k, gmem.v
         sQ, sK, sV = smem.sQ, smem.sK, smem.sV
         m_block, head, batch, seg = walk.m_block, walk.head, walk.batch, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
         d = self.head_dim
         gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
+        if cutlass.const_expr("q" in parts):
+            q_producer = self._load_q(tma_atom_q, gQ, sQ, m_block, q_producer)
+        if n_end > n_begin:
+            load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
+                                              head, batch, tma_q.shape[2], walk.cache)
+            visits = n_end - n_begin
+            if cutlass.const_expr(parts == "qk"):
+                for i in cutlass.range(visits, unroll=1):
+                    k_producer = load_k(k_producer, self._kv_block(i, n_end, seg))
+            elif cutlass.const_expr(parts == "v"):
+                for i in cutlass.range(visits, unroll=1):
+                    v_producer = load_v(v_producer, self._kv_block(i, n_end, seg))
+            else:
+                k_producer, v_producer = self._load_kv(load_k, load_v, visits, n_end, seg,
+                                                       k_producer, v_producer)
+        return q_producer, k_producer, v_producer
+
+    @cute.jit
+    def _load_q(self, tma_atom_q, gQ, sQ, m_block, q_producer):
+        """Q tile m_block, one consumer's rows at a time, into the next Q stage."""
         q_handle = q_producer.acquire_and_advance()
         for c in cutlass.range_constexpr(self.consumers):
             tQsQ, tQgQ = cpasync.tma_partition(
@@ -518,21 +553,21 @@ class FwdSm90:
                 tma_atom_q, tQgQ[None, m_block * self.consumers + c], tQsQ,
                 tma_bar_ptr=q_handle.barrier,
             )
-        if n_end > n_begin:
-            load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
-                                              head, batch, tma_q.shape[2], walk.cache)
-            # Consumers take K_j before V_{j+1} (blocks are visited last to first), so
-            # K runs one block ahead of V.
-            visits = n_end - n_begin
-            k_block, _ = self._first_block(n_end, seg)
+        return q_producer
+
+    @cute.jit
+    def _load_kv(self, load_k, load_v, visits, n_end, seg, k_producer, v_producer):
+        """K and V of the visits, from one warp: consumers take K_j before V_{j+1}
+        (blocks are visited last to first), so K runs one block ahead of V."""
+        k_block, _ = self._first_block(n_end, seg)
+        k_producer = load_k(k_producer, k_block)
+        for i in cutlass.range(1, visits, unroll=1):
+            v_block = k_block
+            k_block = self._kv_block(i, n_end, seg)
             k_producer = load_k(k_producer, k_block)
-            for i in cutlass.range(1, visits, unroll=1):
-                v_block = k_block
-                k_block = self._kv_block(i, n_end, seg)
-                k_producer = load_k(k_producer, k_block)
-                v_producer = load_v(v_producer, v_block)
-            v_producer = load_v(v_producer, k_block)
-        return q_producer, k_producer, v_producer
+            v_producer = load_v(v_producer, v_block)
+        v_producer = load_v(v_producer, k_block)
+        return k_producer, v_producer
 
     def _kv_loaders(self, tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV, head, batch,
                     heads, cache):
