@@ -13,11 +13,14 @@ Operands: mOpart (B * S, R, Hkv, Dv) and mLSEpart (B * S, Hkv, R) fp32, batch-ma
 row r = p * g + j of K/V head h is query head h * g + j at position p. The combine
 writes there directly, so that no transpose runs after it (g = 1: no packing).
 
-One warp per row, ROWS_PER_CTA rows per CTA, one pass over the splits: every lane
-reads each LSE_s (one broadcast load) and its 4-float column groups of O_s (16-byte
-loads, whole rows per warp) and merges them online, rescaling its running sums when
-the max grows, so that the loads of several splits are in flight together: the row's
-M known first would cost a round trip to memory more.
+One warp per row, ROWS_PER_CTA rows per CTA, one pass over the splits in chunks: every
+lane reads each LSE_s of a chunk (broadcast loads) and its 4-float column groups of O_s
+(16-byte loads, whole rows per warp), all of the chunk's loads issued before any merge,
+then merges the chunk with one rescale of its running sums: a chunk is one round trip
+to memory. Chunks hold 16 splits at Dv <= 128 (FLOATS_IN_FLIGHT): against an online
+merge unrolled by 8 (H100, 2026-11-26, alternated twice, 32 / 8 heads, batch 1), d128
+at 8k keys (16 splits) 1.05-1.06x, d64 at 1280 keys (10 splits) 1.05x, at 1088 keys (8
+splits) 0.985x.
 
 Per-kernel CUPTI time of a decode step's combine (H200, 2026-11-26, 32 / 8 heads, in
 one process): at d128, batch 1, 16 splits, 2.8 us at 8k keys and 2.9 at 128k, where
@@ -36,7 +39,8 @@ from kernels.sm90.softmax import LN2, LOG2_E
 WARP = 32
 ROWS_PER_CTA = 4
 QUAD = 4  # fp32 values per 16-byte access
-SPLITS_IN_FLIGHT = 8
+# fp32 partial values per lane loaded before any is merged: 16 splits at Dv <= 128.
+FLOATS_IN_FLIGHT = 64
 
 
 def unpacked(mO: cute.Tensor, mLSE: cute.Tensor, group: Int32):
@@ -58,6 +62,8 @@ class SplitCombine:
         self.head_dim_v = head_dim_v
         assert head_dim_v % QUAD == 0
         self.col_passes = -(-head_dim_v // (QUAD * WARP))
+        # Splits whose loads a lane issues together (QUAD floats per column pass each).
+        self.splits_in_flight = FLOATS_IN_FLIGHT // (QUAD * self.col_passes)
 
     def launch(self, mOpart, mLSEpart, mO, mLSE, num_splits: Int32, group: Int32, stream):
         rows = mOpart.shape[1] * mOpart.shape[2]  # packed rows x K/V heads, per batch
@@ -88,22 +94,33 @@ class SplitCombine:
             acc = cute.make_rmem_tensor((QUAD, self.col_passes), Float32)
             acc.fill(0.0)
             top, total = -Float32.inf, Float32(0.0)
-            # Unrolled so that several splits' loads are in flight at once; the loads
-            # do not depend on the running max.
-            for s in cutlass.range(num_splits, unroll=SPLITS_IN_FLIGHT):
-                lse = mLSEpart[first + s, head, row]
-                part = cute.make_rmem_tensor((QUAD, self.col_passes), Float32)
-                for c in cutlass.range_constexpr(self.col_passes):
-                    src = cute.local_tile(mOpart[first + s, row, head, None], (QUAD,),
-                                          (groups[c],))
-                    cute.autovec_copy(src, part[None, c])
-                new_top = cute.arch.fmax(top, lse)
+            in_flight = self.splits_in_flight
+            for chunk in cutlass.range(cute.ceil_div(num_splits, in_flight), unroll=1):
+                # The chunk's loads first, all of them: past the last split a lane reads
+                # the last one again (no branch, no extra round trip) and weighs it 0.
+                lses = cute.make_rmem_tensor((in_flight,), Float32)
+                parts = cute.make_rmem_tensor((QUAD, self.col_passes, in_flight), Float32)
+                for j in cutlass.range_constexpr(in_flight):
+                    s = chunk * in_flight + j
+                    split = first + cutlass.min(s, num_splits - 1)
+                    lse = mLSEpart[split, head, row]
+                    lses[j] = cutlass.select_(s < num_splits, lse, -Float32.inf)
+                    for c in cutlass.range_constexpr(self.col_passes):
+                        src = cute.local_tile(mOpart[split, row, head, None], (QUAD,),
+                                              (groups[c],))
+                        cute.autovec_copy(src, parts[None, c, j])
+                new_top = top
+                for j in cutlass.range_constexpr(in_flight):
+                    new_top = cute.arch.fmax(new_top, lses[j])
                 # Splits that saw no key (-inf) weigh 0, without inf - inf.
                 base = cutlass.select_(new_top == -Float32.inf, Float32(0.0), new_top)
                 keep = cute.math.exp2((top - base) * LOG2_E, fastmath=True)
-                weight = cute.math.exp2((lse - base) * LOG2_E, fastmath=True)
-                total = total * keep + weight
-                acc.store(acc.load() * keep + part.load() * weight)
+                total = total * keep
+                acc.store(acc.load() * keep)
+                for j in cutlass.range_constexpr(in_flight):
+                    weight = cute.math.exp2((lses[j] - base) * LOG2_E, fastmath=True)
+                    total = total + weight
+                    acc.store(acc.load() + parts[None, None, j].load() * weight)
                 top = new_top
 
             # The caller's place of this row: query head head * g + j at position p.
