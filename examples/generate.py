@@ -12,9 +12,10 @@ then decodes one token per step for --new steps under one jit (`lax.fori_loop`):
 keys and values are written into the cache at the sequence's length, and it attends to
 the cache. The paged model keeps every layer's K and V in a
 pool of pages (num_pages, page_size, Hkv, D) that a page table maps sequences onto, in a
-shuffled order, and attends with `jax_fa4.paged_attention`; the dense model keeps (B,
-max_len, Hkv, D) per layer and attends with `jax.nn.dot_product_attention` and
-key_value_seq_lengths. Prints tokens/s of the decode loop for both (median of --repeats
+shuffled order, and attends with `jax_fa4.paged_attention`, whose kernel also writes
+the step's keys and values into their pages (k_new, v_new); the dense model keeps (B,
+max_len, Hkv, D) per layer, writes them with a dynamic_update_slice and attends with
+`jax.nn.dot_product_attention` and key_value_seq_lengths. Prints tokens/s of the decode loop for both (median of --repeats
 timed runs after a warm-up) and how many generated tokens agree.
 
 The weights are random (this measures decoding, not a trained model): greedy decoding
@@ -28,6 +29,7 @@ where the two steps' time differs.
 
 import argparse
 import dataclasses
+import functools
 import json
 import statistics
 import time
@@ -99,10 +101,10 @@ def rope(x, positions, base=10000.0):
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
 
 
-def forward(cfg: Config, params, tokens, positions, caches, write, attend):
+def forward(cfg: Config, params, tokens, positions, caches, attend):
     """tokens (B, S) at positions (B, S) -> logits of the last token (B, vocab), caches
-    updated. write(cache, k, v) stores the new keys and values; attend(q, k, v, cache)
-    attends to the new tokens' keys (prefill) or to the cache, which holds them."""
+    updated. attend(q, k, v, cache) -> (out, cache): the tokens' attention, their keys
+    and values stored in the cache."""
     b, s = tokens.shape
     hd = cfg.head_dim
     x = params["embed"][tokens]
@@ -113,9 +115,9 @@ def forward(cfg: Config, params, tokens, positions, caches, write, attend):
         q = rope(q.reshape(b, s, cfg.heads, hd), positions)
         k = rope(k.reshape(b, s, cfg.kv_heads, hd), positions)
         v = v.reshape(b, s, cfg.kv_heads, hd)
-        cache = write(cache, k, v)
+        out, cache = attend(q, k, v, cache)
         updated.append(cache)
-        x = x + attend(q, k, v, cache).reshape(b, s, -1) @ layer["out"]
+        x = x + out.reshape(b, s, -1) @ layer["out"]
         x = x + jax.nn.gelu(rms(x) @ layer["up"]) @ layer["down"]
     return (rms(x[:, -1]) @ params["head"]).astype(jnp.float32), updated
 
@@ -136,21 +138,25 @@ class Dense:
             return jax.lax.dynamic_update_slice(c, x, (0, length, 0, 0))
         return put(cache[0], k), put(cache[1], v)
 
-    def prefill(self, q, k, v):
-        return jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                            implementation=self.implementation)
+    def prefill(self, q, k, v, cache):
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                           implementation=self.implementation)
+        return out, self.write(0, cache, k, v)
 
-    def attend(self, length, q, cache):
-        """A decode step's query sees the whole cached length."""
+    def decode(self, length, q, k, v, cache):
+        """A decode step's query sees the whole cached length, its own key included."""
+        cache = self.write(length, cache, k, v)
         lengths = jnp.full((q.shape[0],), length + q.shape[1], jnp.int32)
         return jax.nn.dot_product_attention(
             q, cache[0], cache[1], key_value_seq_lengths=lengths,
-            implementation=self.implementation)
+            implementation=self.implementation), cache
 
 
 class Paged:
     """A pool of pages per layer for K and V, shared by the batch through a page table
-    that hands each sequence its pages in a shuffled order; jax_fa4 attends in place."""
+    that hands each sequence its pages in a shuffled order; jax_fa4 attends in place,
+    and a decode step's call also writes the step's key and value into their page
+    (k_new, v_new: no scatter before it)."""
 
     def __init__(self, cfg: Config, key):
         self.cfg = cfg
@@ -162,6 +168,7 @@ class Paged:
         return [(jnp.zeros(self.pool, jnp.bfloat16),) * 2 for _ in range(self.cfg.layers)]
 
     def write(self, length, cache, k, v):
+        """The prompt's keys and values into their pages (prefill)."""
         positions = length + jnp.arange(k.shape[1])
         page = self.table[:, positions // self.cfg.page_size]  # (B, S)
         slot = jnp.broadcast_to(positions % self.cfg.page_size, page.shape)
@@ -171,20 +178,20 @@ class Paged:
             return c.at[page, slot].set(x, unique_indices=True)
         return put(cache[0], k), put(cache[1], v)
 
-    def prefill(self, q, k, v):
-        return jax_fa4.attention(q, k, v, causal=True)
+    def prefill(self, q, k, v, cache):
+        return jax_fa4.attention(q, k, v, causal=True), self.write(0, cache, k, v)
 
-    def attend(self, length, q, cache):
+    def decode(self, length, q, k, v, cache):
         lengths = jnp.full((q.shape[0],), length + q.shape[1], jnp.int32)
-        return jax_fa4.paged_attention(q, cache[0], cache[1], self.table, lengths)
+        out, k_cache, v_cache = jax_fa4.paged_attention(
+            q, cache[0], cache[1], self.table, lengths, k_new=k, v_new=v)
+        return out, (k_cache, v_cache)
 
 
 def generate(cfg: Config, params, prompts, model):
     """Prefill the prompts, then cfg.new greedy steps -> (B, new) tokens."""
     positions = jnp.broadcast_to(jnp.arange(cfg.prompt), prompts.shape)
-    logits, caches = forward(
-        cfg, params, prompts, positions, model.empty(),
-        lambda c, k, v: model.write(0, c, k, v), lambda q, k, v, c: model.prefill(q, k, v))
+    logits, caches = forward(cfg, params, prompts, positions, model.empty(), model.prefill)
     first = jnp.argmax(logits, -1).astype(jnp.int32)
     out = jnp.zeros((cfg.batch, cfg.new), jnp.int32).at[:, 0].set(first)
 
@@ -193,10 +200,8 @@ def generate(cfg: Config, params, prompts, model):
         length = cfg.prompt + i - 1  # tokens already in the cache
         token = out[:, i - 1][:, None]
         position = jnp.full((cfg.batch, 1), length)
-        logits, caches = forward(
-            cfg, params, token, position, caches,
-            lambda c, k, v: model.write(length, c, k, v),
-            lambda q, k, v, c: model.attend(length, q, c))
+        logits, caches = forward(cfg, params, token, position, caches,
+                                 functools.partial(model.decode, length))
         return out.at[:, i].set(jnp.argmax(logits, -1).astype(jnp.int32)), caches
 
     return jax.lax.fori_loop(1, cfg.new, step, (out, caches))[0]
@@ -222,8 +227,7 @@ def profile_step(cfg: Config, params, model, iterations=20):
 
     def step(params, token, caches):
         return forward(cfg, params, token, position, caches,
-                       lambda c, k, v: model.write(cfg.prompt, c, k, v),
-                       lambda q, k, v, c: model.attend(cfg.prompt, q, c))
+                       functools.partial(model.decode, cfg.prompt))
 
     _, calls = profiler.measure(jax.jit(step), aggregate=False, iterations=iterations)(
         params, token, model.empty())

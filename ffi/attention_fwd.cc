@@ -23,7 +23,11 @@
 // partials' results are unused (any size) and unpack_group must be 1. A fourth operand
 // after the segment ones, the page table (..., max_pages) int32, selects the paged
 // variant: k and v are then caches (num_pages, page_size, Hkv, D / Dv) with page_size a
-// multiple of kPageRows, and Sk is max_pages * page_size (kernels/sm90/paged.py).
+// multiple of kPageRows, and Sk is max_pages * page_size (kernels/sm90/paged.py). Two
+// more operands after it, new_k and new_v (..., Snew, Hkv, D / Dv), are rows the kernel
+// appends to the caches at each batch's last Snew keys before attending; the call then
+// has two more results, the caches, which XLA aliases to k and v (the kernel writes
+// them in place).
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
@@ -50,7 +54,7 @@ std::string Describe(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k, const ffi
 }
 
 constexpr int64_t kPageRows = 16;  // kernels/sm90/paged.py PAGE_ROWS
-constexpr size_t kSegmentOperands = 3, kPagedOperands = 4;
+constexpr size_t kSegmentOperands = 3, kPagedOperands = 4, kAppendOperands = 6;
 
 struct FwdProblem {
   const FwdKernel* kernel;
@@ -61,7 +65,7 @@ struct FwdProblem {
 
 // The page table's entries per batch (its last dimension); 0 without one.
 ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
-  if (rest.size() != kPagedOperands) return int64_t{0};
+  if (rest.size() != kPagedOperands && rest.size() != kAppendOperands) return int64_t{0};
   auto table = rest.get<ffi::AnyBuffer>(kPagedOperands - 1);
   if (table.has_error()) return table.error();
   auto dims = table->dimensions();
@@ -70,6 +74,57 @@ ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
                                        "(..., max_pages) with max_pages >= 1; got " +
                                        Dims(dims));
   return dims.back();
+}
+
+struct Appended {
+  void* k = nullptr;
+  void* v = nullptr;
+  int64_t rows = 0;
+};
+
+// A paged call's new rows (operands after the page table) and its two results, the
+// caches, which must alias k and v; none without them.
+ffi::ErrorOr<Appended> ReadAppended(const std::string& where, const ffi::RemainingArgs& rest,
+                                    const ffi::RemainingRets& caches, const ffi::AnyBuffer& q,
+                                    const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
+                                    const FwdProblem& p) {
+  Appended a;
+  if (rest.size() != kAppendOperands) {
+    if (caches.size() != 0)
+      return ffi::Error::InvalidArgument(where + ": cache results without new rows");
+    return a;
+  }
+  auto new_k = rest.get<ffi::AnyBuffer>(kAppendOperands - 2);
+  auto new_v = rest.get<ffi::AnyBuffer>(kAppendOperands - 1);
+  if (new_k.has_error()) return new_k.error();
+  if (new_v.has_error()) return new_v.error();
+  auto kd = new_k->dimensions(), vd = new_v->dimensions();
+  const size_t r = kd.size();
+  bool ok = r >= 3 && vd.size() == r && new_k->element_type() == q.element_type() &&
+            new_v->element_type() == q.element_type() && kd[r - 2] == p.heads_kv &&
+            vd[r - 2] == p.heads_kv && kd[r - 1] == p.head_dim && vd[r - 1] == p.head_dim_v &&
+            kd[r - 3] == vd[r - 3];
+  int64_t batch = 1;
+  for (size_t i = 0; ok && i + 3 < r; ++i) {
+    ok = kd[i] == vd[i];
+    batch *= kd[i];
+  }
+  if (!ok || batch != p.batch || kd[r - 3] > kInt32Max)
+    return ffi::Error::InvalidArgument(
+        where + ": new rows must be (..., S, Hkv, D) and (..., S, Hkv, Dv) in q's dtype, "
+                "batch " + std::to_string(p.batch) + "; got " + Dims(kd) + " and " + Dims(vd));
+  if (caches.size() != 2)
+    return ffi::Error::InvalidArgument(where + ": appending needs the two caches as results");
+  auto k_out = caches.get<ffi::AnyBuffer>(0), v_out = caches.get<ffi::AnyBuffer>(1);
+  if (k_out.has_error()) return k_out.error();
+  if (v_out.has_error()) return v_out.error();
+  if ((*k_out)->untyped_data() != k.untyped_data() ||
+      (*v_out)->untyped_data() != v.untyped_data())
+    return ffi::Error::InvalidArgument(where + ": the cache results must alias k and v");
+  a.k = new_k->untyped_data();
+  a.v = new_v->untyped_data();
+  a.rows = kd[r - 3];
+  return a;
 }
 
 // Validates the operands and picks the kernel; shared by both stages. max_pages > 0:
@@ -160,7 +215,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::F32>> lse,
                       ffi::Result<ffi::Buffer<ffi::S32>> tile_counter,
                       ffi::Result<ffi::Buffer<ffi::F32>> out_part,
-                      ffi::Result<ffi::Buffer<ffi::F32>> lse_part, bool banded,
+                      ffi::Result<ffi::Buffer<ffi::F32>> lse_part,
+                      ffi::RemainingRets caches, bool banded,
                       float softmax_scale, int32_t window_left, int32_t window_right,
                       bool top_left, float softcap, bool split_kernel,
                       int32_t num_splits, int32_t unpack_group, bool q_heads_as_rows) {
@@ -191,7 +247,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
   const bool paged = p.max_pages > 0;
   auto segments = ReadSegments(where, segment_args, p.batch, p.seqlen_q, p.seqlen_k, q_tiles,
-                               1 + key_blocks, paged ? kPagedOperands - kSegmentOperands : 0);
+                               1 + key_blocks, paged ? segment_args.size() - kSegmentOperands : 0);
   if (segments.has_error()) return segments.error();
   void* page_table = nullptr;
   if (paged) {
@@ -202,6 +258,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                          std::to_string(p.max_pages) + " entries per batch");
     page_table = table->untyped_data();
   }
+  auto appended = ReadAppended(where, segment_args, caches, q, k, v, p);
+  if (appended.has_error()) return appended.error();
 
   const int64_t out_count = p.batch * p.seqlen_q * p.heads * p.head_dim_v;
   const int64_t lse_count = p.batch * p.heads * p.seqlen_q;
@@ -271,6 +329,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   args.num_pages = static_cast<int32_t>(p.num_pages);
   args.page_size = static_cast<int32_t>(p.page_size);
   args.max_pages = static_cast<int32_t>(p.max_pages);
+  args.new_k = appended->k;
+  args.new_v = appended->v;
+  args.new_rows = static_cast<int32_t>(appended->rows);
   segments->Into(args);
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
@@ -311,6 +372,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (1,)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // split partials: out
                                   .Ret<ffi::Buffer<ffi::F32>>()  // and lse
+                                  .RemainingRets()  // appending: k, v caches (aliased)
                                   .Attr<bool>("banded")
                                   .Attr<float>("softmax_scale")
                                   .Attr<int32_t>("window_left")

@@ -69,6 +69,12 @@ struct FwdArgs {
   int32_t num_pages;
   int32_t page_size;
   int32_t max_pages;
+  // ... and the rows they append to the caches first, (batch, new_rows, heads_kv,
+  // head_dim / head_dim_v), at keys L - new_rows .. L - 1 of each batch (L: its length,
+  // the last query row's key_end); new_rows 0: none (the pointers are then unused).
+  void* new_k;
+  void* new_v;
+  int32_t new_rows = 0;
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:

@@ -23,7 +23,7 @@ BWD_TARGET = "jax_fa4_bwd"
 
 
 def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1,
-        unpack=None, q_heads_as_rows=False):
+        unpack=None, q_heads_as_rows=False, appended=None):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of
     `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
@@ -36,7 +36,10 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     rows_per_position g > 1), on the last three axes of out and two of lse; a split's
     combine writes the caller's layout itself. `q_heads_as_rows`: q is a decode step's
     in the caller's layout (one position, (B, 1, H * g, D)), which the split kernel
-    reads as the packed problem's g rows per K/V head."""
+    reads as the packed problem's g rows per K/V head. `appended` (paged only): (k_new,
+    v_new) (B, S, Hkv, D / Dv), rows the kernel writes into the caches at each batch's
+    last S keys before attending; the caches come back too, (out, lse, k, v), written
+    in place (XLA aliases them to k and v: donate them, or XLA copies them first)."""
     *lead, sq, heads, _ = q.shape
     dv, g = v.shape[-1], rows_per_position
     split = spec.split_kernel
@@ -61,17 +64,22 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
                              jnp.float32),
         jax.ShapeDtypeStruct((*lead, *parts, heads, sq) if split else parts, jnp.float32),
     )
-    call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all")
+    aliases = {}
+    if appended is not None:
+        results += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+        aliases = {1: len(results) - 2, 2: len(results) - 1}
+    call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all",
+                            input_output_aliases=aliases)
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
-        (pages,) if spec.paged else ())
-    out, lse, *_workspaces = call(q, k, v, *extra, **spec.ffi_attributes(),
-                                  unpack_group=np.int32(g if split else 1),
-                                  q_heads_as_rows=q_heads_as_rows)
+        (pages,) if spec.paged else ()) + (tuple(appended) if appended is not None else ())
+    out, lse, _counter, _out_part, _lse_part, *caches = call(
+        q, k, v, *extra, **spec.ffi_attributes(), unpack_group=np.int32(g if split else 1),
+        q_heads_as_rows=q_heads_as_rows)
     if unpack is not None and not split:
         out, lse = unpack(out, lse)
-    return vary_like((q, k, v), (out, lse))
+    return vary_like((q, k, v), (out, lse, *caches))
 
 
 def _segment_operands(segments, kernel, make_plan, rows_per_position=1):

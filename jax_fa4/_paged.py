@@ -7,6 +7,10 @@ pages in place (kernels/sm90/paged.py), split-KV and pack-GQA included, for page
 that are multiples of PAGE_ROWS at the head dims with paged kernels (64, 128, 256). Other
 calls gather the pages a batch's table names into a dense (B, max_pages * page_size,
 Hkv, D) copy that `attention` runs with kv_lengths; on a GPU that says so once.
+
+A call may also append its own tokens' keys and values (k_new, v_new): the paged kernels
+write them into their pages before reading them (kernels/sm90/paged.py), so a decode
+step needs no scatter of its own; the other paths scatter them first (`append`).
 """
 
 from __future__ import annotations
@@ -30,9 +34,9 @@ GATHER_WARNING = (
     "three times per step")
 
 
-def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True, window=None,
-                    softcap=None, sinks=None, softmax_scale=None, return_lse=False,
-                    implementation=None):
+def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, v_new=None,
+                    causal=True, window=None, softcap=None, sinks=None, softmax_scale=None,
+                    return_lse=False, implementation=None):
     """Attention of q over the keys and values of a paged cache.
 
     q (B, Sq, Hq, D); k_cache (num_pages, page_size, Hkv, D); v_cache (num_pages,
@@ -48,10 +52,20 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True,
     Runtime values are defined for every int32: lengths are clipped to [0, max_pages *
     page_size] (a sequence of length 0 gives out = 0, lse = -inf), and a page id outside
     [0, num_pages) reads the nearest valid page (clipped), never outside the cache.
+    k_new (B, Sq, Hkv, D), v_new (B, Sq, Hkv, Dv): the keys and values of q's own Sq
+    tokens, appended first: written at keys L - Sq .. L - 1 of each sequence (L its
+    clipped length, which counts them; keys below 0 are dropped), through the same
+    clipped page ids, and the call returns the updated caches too: (out, k_cache,
+    v_cache), or (out, lse, k_cache, v_cache) with `return_lse`. The kernels write them
+    in place while attending (no scatter runs before): pass the caches as state that
+    the caller gives up (a loop carry under jit, or donated), or XLA copies them first.
+    A slot that two sequences' tables share gets one of their rows.
+
     implementation: as in `attention` (None: the kernels where they run). Inference only:
     jax.grad through it raises NotImplementedError.
     """
     _check(q, k_cache, v_cache, page_table, kv_lengths)
+    _check_new(q, k_cache, v_cache, k_new, v_new)
     options = dict(causal=causal, window=window, softcap=softcap,
                    softmax_scale=softmax_scale)
     spec = _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks,
@@ -72,7 +86,10 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, causal=True,
                 *args, cuda=functools.partial(_in_place, spec), default=gathered("reference"))
     else:
         run = functools.partial(_in_place, spec)
-    out, lse = _inference_only(run, q, k_cache, v_cache, page_table, kv_lengths, sinks)
+    out, lse, *caches = _inference_only(run, q, k_cache, v_cache, page_table, kv_lengths,
+                                        sinks, k_new, v_new)
+    if caches:
+        return (out, lse, *caches) if return_lse else (out, *caches)
     return (out, lse) if return_lse else out
 
 
@@ -104,23 +121,46 @@ def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implemen
     return None if reason else paged
 
 
-def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks):
-    """The paged kernel: out and lse as `attention` gives them on the gathered keys."""
+def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new):
+    """The paged kernel: out and lse as `attention` gives them on the gathered keys
+    (and the caches, appending)."""
     batch, seqlen_q = q.shape[:2]
     seqlen_k = page_table.shape[1] * k_cache.shape[1]
     segments = _segment_plan.padded_rows(
         spec, seqlen_q, seqlen_k, batch=batch,
         kv_lengths=jnp.clip(kv_lengths, 0, seqlen_k))
     forward = _pack_gqa.fwd if spec.pack_gqa else _ffi_calls.fwd
-    out, lse = forward(q, k_cache, v_cache, *segments, spec=spec, pages=page_table)
+    appended = None if k_new is None else (k_new, v_new)
+    out, lse, *caches = forward(q, k_cache, v_cache, *segments, spec=spec, pages=page_table,
+                                appended=appended)
     if sinks is not None:
         out, lse = _api._add_sinks(out, lse, sinks)
-    return out, lse
+    return (out, lse, *caches)
 
 
-def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks):
-    return attention(q, gather(k_cache, page_table), gather(v_cache, page_table),
-                     kv_lengths=kv_lengths, sinks=sinks)
+def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new):
+    caches = ()
+    if k_new is not None:
+        k_cache = append(k_cache, k_new, page_table, kv_lengths)
+        v_cache = append(v_cache, v_new, page_table, kv_lengths)
+        caches = (k_cache, v_cache)
+    out, lse = attention(q, gather(k_cache, page_table), gather(v_cache, page_table),
+                         kv_lengths=kv_lengths, sinks=sinks)
+    return (out, lse, *caches)
+
+
+def append(cache, new, page_table, kv_lengths):
+    """cache (num_pages, page_size, Hkv, X) with new (B, S, Hkv, X) written at keys L - S
+    .. L - 1 of each batch, L its length clipped to [0, max_pages * page_size]; keys
+    below 0 are dropped, page ids clipped to the cache."""
+    num_pages, page_size = cache.shape[:2]
+    s = new.shape[1]
+    capacity = page_table.shape[1] * page_size
+    key = jnp.clip(kv_lengths, 0, capacity)[:, None] - s + jnp.arange(s, dtype=jnp.int32)
+    entry = jnp.maximum(key, 0) // page_size
+    page = jnp.clip(jnp.take_along_axis(page_table, entry, axis=1), 0, num_pages - 1)
+    page = jnp.where(key >= 0, page, num_pages)  # past the cache: dropped
+    return cache.at[page, key % page_size].set(new, mode="drop")
 
 
 def gather(cache, page_table):
@@ -173,3 +213,21 @@ def _check(q, k_cache, v_cache, page_table, kv_lengths) -> None:
     if kv_lengths is None:
         raise ValueError("kv_lengths must be an int32 array of shape (B,); got None")
     _validate.check_int_array("kv_lengths", kv_lengths, (batch,), "(B,)")
+
+
+def _check_new(q, k_cache, v_cache, k_new, v_new) -> None:
+    """k_new and v_new: both or neither, shaped as q's tokens' keys and values for these
+    caches, in the caches' dtype."""
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new go together: pass both or neither")
+    if k_new is None:
+        return
+    batch, sq = q.shape[:2]
+    heads_kv = k_cache.shape[2]
+    for name, x, cache, dim in (("k_new", k_new, k_cache, "D"), ("v_new", v_new, v_cache, "Dv")):
+        want = (batch, sq, heads_kv, cache.shape[3])
+        if not _validate.is_array(x) or tuple(x.shape) != want or x.dtype != cache.dtype:
+            raise ValueError(
+                f"{name} must be a {jnp.dtype(cache.dtype).name} array of shape (B, Sq, "
+                f"Hkv, {dim}) = {want} (q's tokens, this cache's heads); got "
+                f"{_validate.describe(x)}")

@@ -106,11 +106,17 @@ PAGED_CACHES = (
     Param("mV", "v", "bshd", "page_size", heads="heads_kv", batch="num_pages"),
 )
 PAGE_TABLE = Param("mPages", "page_table", "bhn", "max_pages", "i32", heads="1")
+# ... and after it the new rows they append to the caches, (B, new_rows, Hkv, D / Dv);
+# new_rows 0: none.
+NEW_ROWS = (
+    Param("mNewK", "new_k", "bshd", "new_rows", heads="heads_kv"),
+    Param("mNewV", "new_v", "bshd", "new_rows", heads="heads_kv"),
+)
 # Every forward kernel takes the "dynamic" schedule's tile counter after out and lse
 # (kernels/sm90/schedule.py): one int32 that the handler zeroes before such a launch.
 TILE_COUNTER = Param("mTileCounter", "tile_counter", "bhn", "1", "i32", heads="1", batch="1")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
-VALUE_FIELDS = ("v", "o", "o_part", "dout", "dv")
+VALUE_FIELDS = ("v", "o", "o_part", "dout", "dv", "new_v")
 
 
 def width(cfg: Config, p: Param) -> int:
@@ -134,7 +140,7 @@ def tensors(cfg) -> tuple[Param, ...]:
                   + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
                   + (TILE_COUNTER,) + (SPLIT_PARTIALS if cfg.split else ()))
     return (params + (SEGMENT_TENSORS if cfg.segments else ())
-            + ((PAGE_TABLE,) if cfg.paged else ()))
+            + ((PAGE_TABLE, *NEW_ROWS) if cfg.paged else ()))
 
 
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
@@ -243,13 +249,13 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
     main = [fake(p) for p in params
-            if p not in SEGMENT_TENSORS + SPLIT_PARTIALS and p != PAGE_TABLE]
+            if p not in SEGMENT_TENSORS + SPLIT_PARTIALS + (PAGE_TABLE, *NEW_ROWS)]
     # Forward kernels take the split partials (None unless split) after the tile
-    # counter, and the page table (None unless paged) before their scalars.
+    # counter, and the page table and new rows (None unless paged) before their scalars.
     parts, pages = [], []
     if cfg.kind == "fwd":
         parts = [fake(p) if cfg.split else None for p in SPLIT_PARTIALS]
-        pages = [fake(PAGE_TABLE) if cfg.paged else None]
+        pages = [fake(p) if cfg.paged else None for p in (PAGE_TABLE, *NEW_ROWS)]
     compiled = cute.compile(kernel, *main, *parts, *seg, *pages, *scalars,
                             cuda.CUstream(0),
                             options=options)

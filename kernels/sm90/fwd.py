@@ -79,6 +79,9 @@ WARPGROUP = 128
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 ROWS_PER_THREAD = 2  # accumulator rows a thread owns (fragments.py)
 DTYPES = {"bf16": BFloat16, "fp16": Float16}
+# Paged variants: the producer warp that appends a call's new K/V rows to the cache
+# (warps 0 and 1 load).
+APPEND_WARP = 2
 
 
 class Barrier(enum.IntEnum):
@@ -87,6 +90,7 @@ class Barrier(enum.IntEnum):
     TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
     TILE_START = 7  # consumer 0 has begun a tile (_start_turns)
+    APPENDED = 8  # paged: the append warp's new rows are in the cache (_append)
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -208,6 +212,8 @@ class FwdSm90:
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
         mPages: cute.Tensor | None,
+        mNewK: cute.Tensor | None,
+        mNewV: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -218,8 +224,9 @@ class FwdSm90:
         stream: cuda.CUstream,
     ):
         """mOpart, mLSEpart: split variants' partials (None otherwise: not in the ABI).
-        mRows, mKeys, mPlan: segment variants only; mPages: paged variants only, and
-        then mK, mV are the caches (paged.py). num_splits and unpack_group: split
+        mRows, mKeys, mPlan: segment variants only; mPages, mNewK, mNewV: paged
+        variants only, and then mK, mV are the caches, into which the kernel appends
+        the new rows mNewK, mNewV (paged.py). num_splits and unpack_group: split
         variants only (others are launched with 1 and ignore them). num_sms: the
         device's SM count, the most CTAs a persistent launch runs. mTileCounter (1, 1,
         1) int32: the "dynamic" schedule's counter of tiles taken, zeroed by the
@@ -288,7 +295,9 @@ class FwdSm90:
             grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms), 1, 1)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
-            lse, out, out_lse, mTileCounter, mRows, mKeys, mPlan, mPages, scale_log2,
+            lse, out, out_lse, mTileCounter, mRows, mKeys, mPlan,
+            (mPages, mK, mV, mNewK, mNewV) if cutlass.const_expr(self.paged) else None,
+            scale_log2,
             band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -322,7 +331,7 @@ class FwdSm90:
         mRows: cute.Tensor | None,
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
-        mPages: cute.Tensor | None,
+        paged_tensors,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -370,7 +379,7 @@ class FwdSm90:
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
         if cutlass.const_expr(self.paged):
-            seqlen_k = mPages.shape[2] * tma_k.shape[0]
+            seqlen_k = paged_tensors[0].shape[2] * tma_k.shape[0]
         final = None
         if cutlass.const_expr(self.split):
             final = (mOut, mOutLSE, mOut.shape[2] // tma_q.shape[2])
@@ -380,7 +389,7 @@ class FwdSm90:
                       num_splits)
         smem = Smem(sQ, sK, sV)
         # What _walk needs besides the tile.
-        launch = (run, gmem, (mRows, mKeys, mPlan, mPages))
+        launch = (run, gmem, (mRows, mKeys, mPlan, paged_tensors))
         extent_x = cute.ceil_div(seqlen_q, self.tile_m)
         if cutlass.const_expr(self.split):
             extent_x = extent_x * num_splits
@@ -416,6 +425,9 @@ class FwdSm90:
                     q_producer, k_producer, v_producer = self.load(
                         gmem, smem, self._walk(tile, launch), q_producer, k_producer,
                         v_producer, "v")
+            if cutlass.const_expr(self.paged):
+                if warp == APPEND_WARP:
+                    self._append(self._walk(cute.arch.block_idx(), launch))
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             c, ctid = wg - 1, tidx % WARPGROUP
@@ -455,7 +467,7 @@ class FwdSm90:
     def _walk(self, tile, launch) -> Walk:
         """The Walk of grid tile (x, head, batch); launch: (run, gmem, the segment
         tensors), as `kernel` has them."""
-        run, gmem, (mRows, mKeys, mPlan, mPages) = launch
+        run, gmem, (mRows, mKeys, mPlan, paged_tensors) = launch
         num_splits = run.num_splits
         tma_q, tma_k = gmem.q[1], gmem.k[1]
         bx, head, batch = tile
@@ -469,8 +481,14 @@ class FwdSm90:
         cache = None
         if cutlass.const_expr(self.paged):
             # The cache's rows are pages; the batch's keys are its table's pages in turn.
+            mPages, mK, mV, mNewK, mNewV = paged_tensors
+            kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
+            new = paged.NewRows(mNewK[batch, None, kv_head, None],
+                                mNewV[batch, None, kv_head, None],
+                                mK[None, None, kv_head, None], mV[None, None, kv_head, None],
+                                mRows[batch, None, None])
             cache = paged.Cache(mPages[batch, 0, None], tma_k.shape[0], tma_k.shape[3],
-                                mask.kv_head(head, tma_q.shape[2], tma_k.shape[2]))
+                                kv_head, new)
         n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
             m_block, run.seqlen_k, run.band_lo, run.band_hi, self.tile_m, self.tile_n,
             self.banded
@@ -524,6 +542,10 @@ class FwdSm90:
         gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
         if cutlass.const_expr("q" in parts):
             q_producer = self._load_q(tma_atom_q, gQ, sQ, m_block, q_producer)
+        if cutlass.const_expr(self.paged):
+            if walk.cache.new.k.shape[0] > 0:
+                cute.arch.barrier(barrier_id=Barrier.APPENDED,
+                                  number_of_threads=self._appended_threads())
         if n_end > n_begin:
             load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
                                               head, batch, tma_q.shape[2], walk.cache)
@@ -538,6 +560,24 @@ class FwdSm90:
                 k_producer, v_producer = self._load_kv(load_k, load_v, visits, n_end, seg,
                                                        k_producer, v_producer)
         return q_producer, k_producer, v_producer
+
+    def _appended_threads(self) -> int:
+        """Threads at Barrier.APPENDED: the append warp and the loading warps."""
+        return 32 * (2 + int(self.v_warp))
+
+    @cute.jit
+    def _append(self, walk: Walk):
+        """Paged: store the walk's new K and V rows that fall in its key blocks into
+        their pages, and let the loading warps go on (Barrier.APPENDED), which wait only
+        when there are new rows."""
+        if walk.cache.new.k.shape[0] > 0:
+            for i in cutlass.range(walk.n_end - walk.n_begin, unroll=1):
+                paged.append_rows(self._kv_block(i, walk.n_end, walk.seg), walk.cache,
+                                  self.tile_n)
+            # The blocks' TMA copies (the async proxy) must see these stores.
+            cute.arch.fence_proxy("async.global")
+            cute.arch.barrier_arrive(barrier_id=Barrier.APPENDED,
+                                     number_of_threads=self._appended_threads())
 
     @cute.jit
     def _load_q(self, tma_atom_q, gQ, sQ, m_block, q_producer):

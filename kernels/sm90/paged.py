@@ -11,12 +11,22 @@ works. The K and V rings use the swizzle atoms wgmma expects, tiled so that each
 PAGE_ROWS keys is contiguous in shared memory (head dims first, then keys), one TMA box.
 Page ids are clamped to [0, P) and table entries past max_pages to the last one: a block
 that runs past the table (the Sk tail) loads a real page and the mask hides it.
+
+A call may append the keys and values of its Sq new tokens (mNewK (B, Sq, Hkv, D), mNewV
+(B, Sq, Hkv, Dv); Sq 0: none) at keys L - Sq .. L - 1 of each batch, L its clipped length,
+whose query rows see them: an otherwise idle producer warp stores the new rows that
+fall in the CTA's key blocks into their pages (`append_rows`) while the loading warps
+wait (fwd.py), so that the blocks' TMA copies read them, and no scatter runs before the
+kernel. L is the last query row's key_end (the rows'
+bottom-right alignment: that row sees the keys up to L, and none when L is 0).
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
+
+from kernels.sm90 import segments
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
 
@@ -46,15 +56,27 @@ def piece_layouts(dtype, head_dim: int, head_dim_v: int, pieces: int):
             cute.tile_to_shape(v_atom, (head_dim_v, PAGE_ROWS, pieces), order=(0, 1, 2)))
 
 
+class NewRows:
+    """One CTA's new keys and values to append: k (Sq, D) and v (Sq, Dv) of its batch
+    and K/V head, the caches' rows of that head k_cache (P, page_size, D) and v_cache,
+    and its batch's segment rows (3, Sq rows of the kernel), whose last key_end is the
+    batch's length L."""
+
+    def __init__(self, k, v, k_cache, v_cache, rows):
+        self.k, self.v, self.k_cache, self.v_cache, self.rows = k, v, k_cache, v_cache, rows
+
+
 class Cache:
     """One CTA's view of its pages: the batch's table row, the PAGE_ROWS-key pieces per
-    page (page_size, the cache's rows per page, / PAGE_ROWS), the number of pages and
-    the key/value head."""
+    page (page_size, the cache's rows per page, / PAGE_ROWS), the number of pages, the
+    key/value head and the rows it appends (NewRows)."""
 
-    def __init__(self, pages, page_size, num_pages, kv_head):
+    def __init__(self, pages, page_size, num_pages, kv_head, new: NewRows):
         self.pages = pages
+        self.page_size = page_size
         self.pieces_per_page = page_size // PAGE_ROWS
         self.num_pages, self.kv_head = num_pages, kv_head
+        self.new = new
 
 
 @cute.jit
@@ -108,3 +130,31 @@ def load_block(atom, tma_cache, pieces_ring, first_piece: Int32, block: Int32, p
         )
         cute.copy(atom, g_part[None, piece], s_part[None, first_piece + i],
                   tma_bar_ptr=barrier)
+
+
+@cute.jit
+def append_rows(block: Int32, cache: Cache, tile_n: cutlass.Constexpr):
+    """Store the new K and V rows whose keys fall in key block `block` into their pages.
+    Each lane copies 16 bytes of a row; the warp takes 32 * 16 bytes of rows at a time
+    (a decode step's one row: a single pass)."""
+    new = cache.new
+    count = new.k.shape[0]
+    start = new.rows[segments.KEY_END, new.rows.shape[1] - 1] - count  # key of row 0
+    first_key = block * tile_n
+    lo = cutlass.max(first_key - start, 0)
+    hi = cutlass.min(first_key + tile_n - start, count)
+    lane = cute.arch.lane_idx()
+    last_entry = cute.size(cache.pages) - 1
+    for src, dst in ((new.k, new.k_cache), (new.v, new.v_cache)):
+        chunk = 16 * 8 // src.element_type.width  # elements per 16 bytes
+        lanes_per_row = src.shape[1] // chunk  # head dims of the paged kernels: <= 32
+        row, part = lane // lanes_per_row, lane % lanes_per_row
+        for i in cutlass.range(lo + row, hi, 32 // lanes_per_row, unroll=1):
+            key = start + i  # >= first_key >= 0
+            entry = key // cache.page_size
+            page = cache.pages[cutlass.min(entry, last_entry)]
+            page = cutlass.max(cutlass.min(page, cache.num_pages - 1), 0)
+            cute.autovec_copy(
+                cute.local_tile(src[i, None], (chunk,), (part,)),
+                cute.local_tile(dst[page, key - entry * cache.page_size, None], (chunk,),
+                                (part,)))

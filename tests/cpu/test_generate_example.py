@@ -27,8 +27,7 @@ def _uncached(generate, cfg, params, prompts):
     for _ in range(cfg.new):
         positions = jnp.broadcast_to(jnp.arange(seq.shape[1]), seq.shape)
         logits, _ = generate.forward(cfg, params, seq, positions, model.empty(),
-                                     lambda c, k, v: model.write(0, c, k, v),
-                                     lambda q, k, v, c: model.prefill(q, k, v))
+                                     model.prefill)
         seq = jnp.concatenate([seq, jnp.argmax(logits, -1).astype(jnp.int32)[:, None]], 1)
     return np.asarray(seq[:, prompts.shape[1]:])
 

@@ -91,6 +91,54 @@ def test_jit_and_changing_tables():
             jax_fa4.attention(q, k, v, kv_lengths=lengths, causal=True), atol=1e-6)
 
 
+@pytest.mark.parametrize("sq,dv", [(1, D), (3, 8)])
+def test_appending_writes_the_new_rows_then_attends(sq, dv):
+    """k_new / v_new land at keys L - Sq .. L - 1 of each sequence (L clipped to the
+    table; keys below 0 dropped), in their pages; the rest of both caches is untouched,
+    and the attention is that of the updated caches."""
+    rng = np.random.default_rng(sq)
+    page_size, max_pages = 16, 4
+    _, _, k_cache, v_cache, table = _cache(rng, page_size, max_pages, B * max_pages + 2, dv)
+    q = jnp.asarray(rng.standard_normal((B, sq, HQ, D)), jnp.float32)
+    k_new = jnp.asarray(rng.standard_normal((B, sq, HKV, D)), jnp.float32)
+    v_new = jnp.asarray(rng.standard_normal((B, sq, HKV, dv)), jnp.float32)
+    lengths = jnp.asarray([37, 2, 10_000], jnp.int32)  # ragged, shorter than sq, clipped
+    out, lse, k2, v2 = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
+                                               k_new=k_new, v_new=v_new, return_lse=True)
+    k_dense, v_dense = (np.array(_paged.gather(c, table)) for c in (k_cache, v_cache))
+    for b, length in enumerate(np.clip(np.asarray(lengths), 0, max_pages * page_size)):
+        for i in range(sq):
+            if length - sq + i >= 0:
+                k_dense[b, length - sq + i] = k_new[b, i]
+                v_dense[b, length - sq + i] = v_new[b, i]
+    np.testing.assert_array_equal(_paged.gather(k2, table), k_dense)
+    np.testing.assert_array_equal(_paged.gather(v2, table), v_dense)
+    spare = np.setdiff1d(np.arange(k_cache.shape[0]), np.asarray(table))
+    np.testing.assert_array_equal(k2[spare], k_cache[spare])
+    want_out, want_lse = jax_fa4.attention(q, jnp.asarray(k_dense), jnp.asarray(v_dense),
+                                           kv_lengths=lengths, causal=True, return_lse=True)
+    np.testing.assert_allclose(out, want_out, atol=1e-6, rtol=1e-6)
+    np.testing.assert_allclose(lse, want_lse, atol=1e-6, rtol=1e-6)
+    out_only, *_ = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
+                                           k_new=k_new, v_new=v_new)
+    np.testing.assert_array_equal(out_only, out)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(k_new=jnp.zeros((B, 1, HKV, D))), "k_new and v_new go together"),
+    (dict(k_new=jnp.zeros((B, 2, HKV, D)), v_new=jnp.zeros((B, 2, HKV, D))),
+     "k_new must be a float32 array of shape \\(B, Sq, Hkv, D\\) = \\(3, 1, 2, 16\\)"),
+    (dict(k_new=jnp.zeros((B, 1, HKV, D)), v_new=jnp.zeros((B, 1, HKV, D), jnp.bfloat16)),
+     "v_new must be a float32 array"),
+])
+def test_appending_validation(change, message):
+    args = dict(q=jnp.zeros((B, 1, HQ, D)), k_cache=jnp.zeros((8, 16, HKV, D)),
+                v_cache=jnp.zeros((8, 16, HKV, D)), page_table=jnp.zeros((B, 2), jnp.int32),
+                kv_lengths=jnp.zeros((B,), jnp.int32))
+    with pytest.raises(ValueError, match=message):
+        jax_fa4.paged_attention(**args, **change)
+
+
 def test_gradients_are_refused():
     rng = np.random.default_rng(2)
     _, _, k_cache, v_cache, table = _cache(rng, 16, 2, 8)
@@ -148,6 +196,23 @@ def test_decode_lowers_to_the_kernel(built):
     assert operands[-1] == "tensor<1x128xi32>", operands
     if _path.sm_count() == 132:
         assert "num_splits = 16 : i32" in text
+
+
+def test_appending_decode_lowers_to_the_kernel_in_place(built):
+    """With k_new / v_new the paged kernel takes them after the page table and returns
+    the caches aliased to its k and v operands: donated, XLA writes them in place (no
+    scatter, no copy)."""
+    q, cache, new = sds(1, 1, 32, 128), sds(300, 64, 8, 128), sds(1, 1, 8, 128)
+    table, lengths = sds(1, 128, dtype=jnp.int32), sds(1, dtype=jnp.int32)
+    step = jax.jit(lambda q, kc, vc, t, n, kn, vn: jax_fa4.paged_attention(
+        q, kc, vc, t, n, k_new=kn, v_new=vn), donate_argnums=(1, 2))
+    text = step.trace(q, cache, cache, table, lengths, new, new).lower(
+        lowering_platforms=("cuda",)).as_text()
+    operands = _fwd_operands(text)
+    assert operands[-3:] == ["tensor<1x128xi32>"] + ["tensor<1x1x8x128xbf16>"] * 2, operands
+    assert re.search(r"output_operand_aliases = \[#stablehlo.output_operand_alias<"
+                     r"output_tuple_indices = \[5\], operand_index = 1,", text), text
+    assert "scatter" not in text
 
 
 @pytest.mark.parametrize("page_size,dims,kernel_d", [(24, (128, 128), 128),

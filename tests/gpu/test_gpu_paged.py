@@ -125,3 +125,89 @@ def test_warns_once_when_pages_are_gathered(fa, monkeypatch):
     q, k_cache, v_cache, table = _problem(6, 16, 4, 1, d=96, dv=96)
     with pytest.raises(NotImplementedError, match="no paged kernel"):
         jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, implementation="cute")
+
+
+def _appending(seed, batch, page_size, max_pages, sq, d, dtype=jnp.bfloat16):
+    """A cache whose table covers the batch's pages in random order, q and its tokens'
+    new keys and values."""
+    rng = np.random.default_rng(seed)
+    num_pages = batch * max_pages + 3
+    caches = [jnp.asarray(rng.standard_normal((num_pages, page_size, HKV, d)), dtype)
+              for _ in range(2)]
+    table = jnp.asarray(rng.permutation(num_pages)[:batch * max_pages]
+                        .reshape(batch, max_pages), jnp.int32)
+    q, k_new, v_new = (jnp.asarray(rng.standard_normal((batch, sq, h, d)), dtype)
+                       for h in (HQ, HKV, HKV))
+    return q, *caches, table, k_new, v_new
+
+
+@pytest.mark.parametrize("batch,page_size,d,sq,causal", [
+    (1, 64, 128, 1, True),  # split-KV decode, pack-GQA
+    (2, 16, 64, 1, True),
+    (3, 256, 256, 4, True),  # speculative tokens
+    (2, 32, 128, 64, False),  # a prefill chunk: rows spread over lanes and blocks
+    (40, 64, 64, 1, True),  # a batch that fills the GPU: one split
+])
+def test_appending_rows(fa, batch, page_size, d, sq, causal):
+    """The kernel writes k_new / v_new into their pages as it attends: out, lse and
+    both caches bit for bit those of scattering them first (`_paged.append`, XLA) and
+    then attending without appending. Lengths: ragged, shorter than the new rows (the
+    first are dropped), zero, and past the table (clipped)."""
+    max_pages = 4096 // page_size
+    q, k_cache, v_cache, table, k_new, v_new = _appending(batch + d, batch, page_size,
+                                                          max_pages, sq, d)
+    lengths = jnp.asarray(([4096 - 37, 2, 0, 10 ** 6, 1] * batch)[:batch], jnp.int32)
+    assert _paged._kernel_spec(q, k_cache, v_cache, table, lengths, None,
+                               implementation="cute", causal=causal, window=None,
+                               softcap=None, softmax_scale=None) is not None
+
+    @jax.jit
+    def fused(q, k_cache, v_cache, table, lengths, k_new, v_new):
+        return jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, k_new=k_new,
+                                       v_new=v_new, causal=causal, return_lse=True)
+
+    @jax.jit
+    def scattered(q, k_cache, v_cache, table, lengths, k_new, v_new):
+        k_cache = _paged.append(k_cache, k_new, table, lengths)
+        v_cache = _paged.append(v_cache, v_new, table, lengths)
+        out, lse = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
+                                           causal=causal, return_lse=True)
+        return out, lse, k_cache, v_cache
+
+    got = fused(q, k_cache, v_cache, table, lengths, k_new, v_new)
+    want = scattered(q, k_cache, v_cache, table, lengths, k_new, v_new)
+    for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), got, want):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), name
+    k, v = _paged.gather(want[2], table), _paged.gather(want[3], table)
+    fa.assert_attention(f"appended b{batch} d{d} sq{sq}", got[0], got[1], q, k, v,
+                        causal=causal, segments={"kv_lengths": jnp.clip(lengths, 0, k.shape[1])})
+
+
+def test_appending_in_a_decode_loop(fa):
+    """A decode loop under jit (the caches a loop carry, written in place by the kernel;
+    a CUDA graph per step) equals the same loop that scatters each step's row first."""
+    batch, page_size, max_pages, steps = 2, 64, 20, 6
+    q, k_cache, v_cache, table, k_new, v_new = _appending(11, batch, page_size, max_pages,
+                                                          steps, 128)
+    start = jnp.asarray([700, 64], jnp.int32)
+
+    def loop(fused):
+        def step(i, state):
+            outs, k_cache, v_cache = state
+            lengths = start + i + 1
+            rows = [jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1) for x in (q, k_new, v_new)]
+            if fused:
+                out, k_cache, v_cache = jax_fa4.paged_attention(
+                    rows[0], k_cache, v_cache, table, lengths, k_new=rows[1], v_new=rows[2])
+            else:
+                k_cache = _paged.append(k_cache, rows[1], table, lengths)
+                v_cache = _paged.append(v_cache, rows[2], table, lengths)
+                out = jax_fa4.paged_attention(rows[0], k_cache, v_cache, table, lengths)
+            return jax.lax.dynamic_update_slice_in_dim(outs, out, i, axis=1), k_cache, v_cache
+
+        return jax.jit(lambda k_cache, v_cache: jax.lax.fori_loop(
+            0, steps, step, (jnp.zeros_like(q), k_cache, v_cache)))(k_cache, v_cache)
+
+    got, want = loop(True), loop(False)
+    for name, x, y in zip(("out", "k_cache", "v_cache"), got, want):
+        assert np.array_equal(np.asarray(x), np.asarray(y)), name
