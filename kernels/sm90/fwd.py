@@ -90,7 +90,6 @@ class Barrier(enum.IntEnum):
     TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
     TILE_START = 7  # consumer 0 has begun a tile (_start_turns)
-    APPENDED = 8  # paged: the append warp's new rows are in the cache (_append)
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -161,10 +160,11 @@ class Walk:
 class Smem:
     """This CTA's shared memory: the Q ring sQ (CONSUMER_ROWS, D, q_stages * consumers),
     stage s of consumer c at s * consumers + c, and the K and V rings sK (tile_n, D,
-    kv_stages), sV (Dv, tile_n, kv_stages)."""
+    kv_stages), sV (Dv, tile_n, kv_stages); paged variants' `appended`, the mbarrier the
+    append warp arrives on once its rows are in the cache (FwdSm90._append)."""
 
-    def __init__(self, sQ, sK, sV):
-        self.sQ, self.sK, self.sV = sQ, sK, sV
+    def __init__(self, sQ, sK, sV, appended=None):
+        self.sQ, self.sK, self.sV, self.appended = sQ, sK, sV, appended
 
 
 class FwdSm90:
@@ -196,6 +196,8 @@ class FwdSm90:
         # 32 / 8 heads of 128: 1.08-1.09x (kernel 10.6 -> 9.3 us), 128k 1.01x, d64
         # batch 32 at 1088 keys 0.99-1.00x (H100, 2026-11-26, alternated twice).
         self.v_warp = self.paged and self.schedule == "tile"
+        # Smem.appended borrows the dynamic schedule's tile ring.
+        assert not (self.paged and self.schedule == "dynamic")
 
     @cute.jit
     def __call__(
@@ -350,10 +352,16 @@ class FwdSm90:
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
 
+        # Paged variants ("tile" schedule) leave the tile ring's barriers unused: the
+        # first is the append warp's (Smem.appended), one arrival.
+        appended = storage.tile_mbar.data_ptr() if cutlass.const_expr(self.paged) else None
         if warp == 0:
             for atom in (tma_atom_q, tma_atom_k, tma_atom_v, tma_atom_o):
                 if cutlass.const_expr(atom is not None):
                     cpasync.prefetch_descriptor(atom)
+            if cutlass.const_expr(self.paged):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_init(appended, 1)
         # Q is released once the consumer's O store has read its buffer (one release
         # per consumer); K and V once per consumer warp.
         q_producer, q_consumer = self._pipeline(storage.q_mbar.data_ptr(), self.q_stages,
@@ -387,7 +395,7 @@ class FwdSm90:
                     (tma_atom_o, tma_o), mLSE, final)
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k,
                       num_splits)
-        smem = Smem(sQ, sK, sV)
+        smem = Smem(sQ, sK, sV, appended)
         # What _walk needs besides the tile.
         launch = (run, gmem, (mRows, mKeys, mPlan, paged_tensors))
         extent_x = cute.ceil_div(seqlen_q, self.tile_m)
@@ -427,7 +435,7 @@ class FwdSm90:
                         v_producer, "v")
             if cutlass.const_expr(self.paged):
                 if warp == APPEND_WARP:
-                    self._append(self._walk(cute.arch.block_idx(), launch))
+                    self._append(self._walk(cute.arch.block_idx(), launch), smem)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             c, ctid = wg - 1, tidx % WARPGROUP
@@ -544,8 +552,7 @@ class FwdSm90:
             q_producer = self._load_q(tma_atom_q, gQ, sQ, m_block, q_producer)
         if cutlass.const_expr(self.paged):
             if walk.cache.new.k.shape[0] > 0:
-                cute.arch.barrier(barrier_id=Barrier.APPENDED,
-                                  number_of_threads=self._appended_threads())
+                cute.arch.mbarrier_wait(smem.appended, 0)
         if n_end > n_begin:
             load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
                                               head, batch, tma_q.shape[2], walk.cache)
@@ -561,23 +568,20 @@ class FwdSm90:
                                                        k_producer, v_producer)
         return q_producer, k_producer, v_producer
 
-    def _appended_threads(self) -> int:
-        """Threads at Barrier.APPENDED: the append warp and the loading warps."""
-        return 32 * (2 + int(self.v_warp))
-
     @cute.jit
-    def _append(self, walk: Walk):
+    def _append(self, walk: Walk, smem: Smem):
         """Paged: store the walk's new K and V rows that fall in its key blocks into
-        their pages, and let the loading warps go on (Barrier.APPENDED), which wait only
-        when there are new rows."""
+        their pages, then arrive on smem.appended, which the loading warps wait for
+        (only when there are new rows)."""
         if walk.cache.new.k.shape[0] > 0:
             for i in cutlass.range(walk.n_end - walk.n_begin, unroll=1):
                 paged.append_rows(self._kv_block(i, walk.n_end, walk.seg), walk.cache,
                                   self.tile_n)
-            # The blocks' TMA copies (the async proxy) must see these stores.
+            # The blocks' TMA copies (the async proxy) must see every lane's stores.
             cute.arch.fence_proxy("async.global")
-            cute.arch.barrier_arrive(barrier_id=Barrier.APPENDED,
-                                     number_of_threads=self._appended_threads())
+            cute.arch.sync_warp()
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(smem.appended)
 
     @cute.jit
     def _load_q(self, tma_atom_q, gQ, sQ, m_block, q_producer):

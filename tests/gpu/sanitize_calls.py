@@ -5,7 +5,7 @@ call in both dq modes (atomic, deterministic). The split forwards (split-KV) get
 of their variant with splitting forced, down to runs of one key block and runs left
 empty; every other call is traced with splitting off. The paged forwards get
 paged_attention over a cache of 32-key pages in random order, with page ids and lengths
-out of range. The segment kernels get one more call
+out of range, appending its 200 query rows' keys and values (k_new, v_new). The segment kernels get one more call
 each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
 or negative; lengths negative or past S), which the kernels must survive without an
 out-of-bounds access. Sizes are small (the sanitizers are slow) but leave partial tiles
@@ -168,9 +168,13 @@ def function(call: Call, implementation):
     attention = jax_fa4.attention_varlen if call.varlen else jax_fa4.attention
 
     def forward(q, k, v, arrays):
-        if call.paged:
-            return jax_fa4.paged_attention(q, k, v, **call.options, **arrays,
-                                           return_lse=True, implementation=implementation)
+        if call.paged:  # appending rows of q as its tokens' keys and values
+            heads_kv = k.shape[2]
+            new = (q[:, :, :heads_kv], q[:, :, heads_kv:2 * heads_kv, :v.shape[-1]])
+            out, lse, *_ = jax_fa4.paged_attention(
+                q, k, v, **call.options, **arrays, k_new=new[0], v_new=new[1],
+                return_lse=True, implementation=implementation)
+            return out, lse
         return attention(q, k, v, **call.options, **arrays, return_lse=True,
                          implementation=implementation, deterministic=bool(call.deterministic))
 
