@@ -66,7 +66,7 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     )
     aliases = {}
     if appended is not None:
-        results += (jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype))
+        results += tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (k, v))
         aliases = {1: len(results) - 2, 2: len(results) - 1}
     call = jax.ffi.ffi_call(FWD_TARGET, results, vmap_method="broadcast_all",
                             input_output_aliases=aliases)

@@ -17,18 +17,18 @@ A call may append the keys and values of its Sq new tokens (mNewK (B, Sq, Hkv, D
 whose query rows see them: an otherwise idle producer warp stores the new rows that
 fall in the CTA's key blocks into their pages (`append_rows`) while the loading warps
 wait (fwd.py), so that the blocks' TMA copies read them, and no scatter runs before the
-kernel. L is the last query row's key_end (the rows'
-bottom-right alignment: that row sees the keys up to L, and none when L is 0).
+kernel. L is the last query row's key_end (the rows' bottom-right alignment: that row
+sees the keys up to L, and none when L is 0).
 """
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Int32
-
-from kernels.sm90 import segments
 from cutlass.cute.nvgpu import cpasync
 from cutlass.tensor_utils import LayoutEnum
+
+from kernels.sm90 import segments
 
 PAGE_ROWS = 16  # keys per TMA copy; page sizes are multiples of it
 

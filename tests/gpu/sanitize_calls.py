@@ -5,8 +5,8 @@ call in both dq modes (atomic, deterministic). The split forwards (split-KV) get
 of their variant with splitting forced, down to runs of one key block and runs left
 empty; every other call is traced with splitting off. The paged forwards get
 paged_attention over a cache of 32-key pages in random order, with page ids and lengths
-out of range, appending its 200 query rows' keys and values (k_new, v_new). The segment kernels get one more call
-each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
+out of range, appending its 200 query rows' keys and values (k_new, v_new). The
+segment kernels get one more call each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
 or negative; lengths negative or past S), which the kernels must survive without an
 out-of-bounds access. Sizes are small (the sanitizers are slow) but leave partial tiles
 and several query tiles and key blocks per problem, and the bands have masked edges.
