@@ -550,12 +550,10 @@ class FwdSm90:
         gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
         if cutlass.const_expr("q" in parts):
             q_producer = self._load_q(tma_atom_q, gQ, sQ, m_block, q_producer)
-        if cutlass.const_expr(self.paged):
-            if walk.cache.new.k.shape[0] > 0:
-                cute.arch.mbarrier_wait(smem.appended, 0)
         if n_end > n_begin:
             load_k, load_v = self._kv_loaders(tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV,
-                                              head, batch, tma_q.shape[2], walk.cache)
+                                              head, batch, tma_q.shape[2], walk.cache,
+                                              smem.appended)
             visits = n_end - n_begin
             if cutlass.const_expr(parts == "qk"):
                 for i in cutlass.range(visits, unroll=1):
@@ -574,9 +572,17 @@ class FwdSm90:
         their pages, then arrive on smem.appended, which the loading warps wait for
         (only when there are new rows)."""
         if walk.cache.new.k.shape[0] > 0:
-            for i in cutlass.range(walk.n_end - walk.n_begin, unroll=1):
-                paged.append_rows(self._kv_block(i, walk.n_end, walk.seg), walk.cache,
-                                  self.tile_n)
+            # Visits run from the last block down, so the walk stops after the first
+            # block that starts at or below the first new key: a decode step stores
+            # after one plan read, not one per visit.
+            first_new = paged.first_new_key(walk.cache)
+            visits = walk.n_end - walk.n_begin
+            i, more = Int32(0), visits > 0
+            while more:
+                block = self._kv_block(i, walk.n_end, walk.seg)
+                paged.append_rows(block, first_new, walk.cache, self.tile_n)
+                i = i + 1
+                more = (i < visits) & (block * self.tile_n > first_new)
             # The blocks' TMA copies (the async proxy) must see every lane's stores.
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()
@@ -614,10 +620,11 @@ class FwdSm90:
         return k_producer, v_producer
 
     def _kv_loaders(self, tma_atom_k, tma_k, tma_atom_v, tma_v, sK, sV, head, batch,
-                    heads, cache):
+                    heads, cache, appended):
         """load_k(producer, block), load_v(producer, block): wait for a free ring slot,
         TMA key block `block` of K (of V) into it; each returns the advanced producer.
-        Paged variants load the block in pieces, each from its page (paged.py)."""
+        Paged variants load the block in pieces, each from its page (paged.py), once
+        the append warp has stored the call's new rows (`appended`, when it has any)."""
         d, dv = self.head_dim, self.head_dim_v
         if cutlass.const_expr(self.paged):
             pieces = self.tile_n // paged.PAGE_ROWS
@@ -629,7 +636,8 @@ class FwdSm90:
                 pages = paged.block_pages(block, cache, self.tile_n)
                 handle = producer.acquire_and_advance()
                 paged.load_block(atom, tma_cache, ring, handle.index * pieces, block, pages,
-                                 cache, self.tile_n, box, keys_major, handle.barrier)
+                                 cache, self.tile_n, box, keys_major, handle.barrier,
+                                 appended)
                 return producer
 
             return (lambda producer, block: load_paged(producer, block, tma_atom_k, tma_k,
