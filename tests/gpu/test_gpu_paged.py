@@ -71,6 +71,19 @@ def test_paged_head_dims(fa, dtype, d):
            jnp.asarray([1280, 333], jnp.int32))
 
 
+@pytest.mark.parametrize("page_size", [32, 64, 128, 256])
+@pytest.mark.parametrize("sq,causal", [(1, True), (64, False)])
+def test_paged_d64_page_sizes(fa, page_size, sq, causal):
+    """d64 (the generation example's head dim) at page sizes below, equal to and above
+    its key blocks (64 keys in the split kernel, 128 in the other)."""
+    max_pages = 4096 // page_size
+    q, k_cache, v_cache, table = _problem(page_size + sq + 64, page_size, max_pages, sq,
+                                          d=64, dv=64)
+    lengths = jnp.asarray([4096 - 100, 700], jnp.int32)
+    _check(fa, f"d64 page {page_size} sq {sq}", q, k_cache, v_cache, table, lengths,
+           causal=causal)
+
+
 @pytest.mark.parametrize("name,options", [
     ("window", dict(window=(200, 0))),
     ("softcap", dict(softcap=15.0)),
