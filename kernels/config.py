@@ -127,7 +127,10 @@ _RESCALE = 8.0
 # three 64-key blocks for 4 of two or three 128-key ones), 2k and 8k 0.98-1.03x, 128k
 # 0.93-0.96x (half the bytes in flight per CTA); batch 32 at 1088 keys (the generation
 # example's step) 1.03-1.06x, at 8k 1.02-1.04x. With four K/V stages on top: 128k
-# 1.05-1.07x over two stages, but batch 32 at 1088 keys 0.92-0.97x; not kept.
+# 1.05-1.07x over two stages, but batch 32 at 1088 keys 0.92-0.97x; not kept. Inside
+# the generation example's decode loop too, where K/V come from DRAM (batch 32, CUPTI
+# over whole runs, H100, 2026-11-26, alternated twice): four stages 73.6 ms of forward
+# kernels against 71.6, 128k keys 1.03-1.05x again.
 _SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
                      128: dict(n=64, ctas_per_sm=2)}
 _TILES = {
@@ -153,7 +156,9 @@ _TILES = {
 #   d128  1.01 / 1.11 / 1.07 / 1.03      d256 0.91 / 1.07 / 1.07 / 1.00 (1.01 at 1k)
 #   d128 window 1024 at 2k / 8k 1.12 / 1.09; GQA 32 / 8 at 2k / 8k 1.12 / 1.06; softcap
 #   at 2k 1.13. The same order with ping-pong on (its tile start gated: fwd.py
-#   _start_turns) ran 0.01-0.05 below it in every cell. Left out: D 192 / Dv 128 (0.85 /
+#   _start_turns) ran 0.01-0.05 below it in every cell; so did the segment kernels (8
+#   packed documents per row of 4k / 16k, H100, 2026-11-26, alternated twice: d64
+#   0.95-0.98, causal 0.95-0.96; d128 0.96-1.00, causal 0.95-0.99). Left out: D 192 / Dv 128 (0.85 /
 #   0.95 / 1.01 / 0.96). Segment kernels joined once their step branches on the plan's
 #   masked flag around the whole step (fwd.py; inside it, ptxas serialized the wgmma
 #   of every persistent segment kernel, C7514): 8 packed documents per row, against
