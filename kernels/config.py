@@ -111,6 +111,9 @@ class Tile:
 #   one CTA per tile / the options off):
 #   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
+#   - Two CTAs of 64 rows per SM, one CTA per tile, ping-pong off (the split kernels'
+#     shape; H200, 2026-11-26, alternated twice): d64 (128-key blocks) 0.93 at 512, 0.90
+#     at 2k, 0.88 at 8k, 0.83-0.85 at 16k; d128 (64-key blocks) 0.85-0.90. Not kept.
 _RESCALE = 8.0
 # Split tiles two to an SM (consumer_regs: 232 per consumer thread), with shared memory
 # for both: d96 keeps 128-key blocks (108 KB each), d64 and d128 take 64-key ones (40 /
