@@ -4,7 +4,7 @@ dense cache on jax.nn (cuDNN on a GPU, XLA on a CPU), the same weights and promp
     python examples/generate.py --preset gpu --batch 1
     python examples/generate.py --preset gpu --batch 32 --page-size 64
     python examples/generate.py --preset cpu                 # seconds, both on XLA / reference
-    python examples/generate.py --preset gpu --batch 32 --profile   # kernels of one step
+    python examples/generate.py --preset gpu --batch 32 --profile   # kernels of a run
 
 Each run prefills the prompt once (causal attention over the prompt's own keys and
 values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which also fill the cache),
@@ -23,9 +23,11 @@ The weights are random (this measures decoding, not a trained model): greedy dec
 then lands on ties now and then, where the two paths' roundings can pick different
 tokens, so the agreement printed is a sanity check, not an equality.
 
---profile prints, instead, the GPU kernels of one decode step (at the prompt's length)
-of each model, summed by kernel name (CUPTI through JAX's Mosaic GPU profiler), to see
-where the two steps' time differs.
+--profile prints, instead, the GPU kernels of one whole run (prefill and decode loop, as
+timed) of each model, summed by kernel name (CUPTI through JAX's Mosaic GPU profiler),
+to see where the two models' time differs. A decode step profiled alone would differ
+from a step in the loop: it takes the caches as arguments, which it cannot update in
+place, and XLA copies them first.
 """
 
 import argparse
@@ -218,26 +220,19 @@ def timed(fn, *args, repeats):
     return result, statistics.median(times)
 
 
-def profile_step(cfg: Config, params, model, iterations=20):
-    """[(kernel, launches, us)] of one decode step at the prompt's length, summed by
-    kernel name, longest first (CUPTI median per kernel over the iterations)."""
+def profile_run(cfg: Config, params, prompts, model, iterations=3):
+    """[(kernel, launches, ms)] of one generate() run, summed by kernel name, longest
+    first (CUPTI: each launch's median over the iterations)."""
     from jax.experimental.mosaic.gpu import profiler
 
-    token = jnp.zeros((cfg.batch, 1), jnp.int32)
-    position = jnp.full((cfg.batch, 1), cfg.prompt)
-
-    def step(params, token, caches):
-        return forward(cfg, params, token, position, caches,
-                       functools.partial(model.decode, cfg.prompt))
-
-    _, calls = profiler.measure(jax.jit(step), aggregate=False, iterations=iterations)(
-        params, token, model.empty())
+    fn = jax.jit(lambda params, prompts: generate(cfg, params, prompts, model))
+    _, calls = profiler.measure(fn, aggregate=False, iterations=iterations)(params, prompts)
     totals = {}
     for i, (name, _) in enumerate(calls[0]):
         short = name.split("_object_at_")[0].removeprefix("kernel_cutlass_")[:60]
-        launches, us = totals.get(short, (0, 0.0))
-        totals[short] = (launches + 1, us + 1e3 * statistics.median(c[i][1] for c in calls))
-    return sorted(((k, n, us) for k, (n, us) in totals.items()), key=lambda r: -r[2])
+        launches, ms = totals.get(short, (0, 0.0))
+        totals[short] = (launches + 1, ms + statistics.median(c[i][1] for c in calls))
+    return sorted(((k, n, ms) for k, (n, ms) in totals.items()), key=lambda r: -r[2])
 
 
 def parse(argv):
@@ -252,7 +247,7 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="append a JSON record of the run to this file")
     ap.add_argument("--profile", action="store_true",
-                    help="print the GPU kernels of one decode step per model instead")
+                    help="print the GPU kernels of one run per model instead")
     args = ap.parse_args(argv)
     values = {**PRESETS[args.preset],
               **{k: v for k, v in vars(args).items() if k in PRESETS["cpu"] and v is not None}}
@@ -276,11 +271,11 @@ def main(argv=None) -> dict:
         if jax.default_backend() != "gpu":
             raise SystemExit("--profile times GPU kernels: it needs a GPU")
         for name, model in models:
-            rows = profile_step(cfg, params, model)
-            print(f"{name}: one step {sum(us for *_, us in rows):.1f} us "
+            rows = profile_run(cfg, params, prompts, model)
+            print(f"{name}: one run {sum(ms for *_, ms in rows):.2f} ms "
                   f"in {sum(n for _, n, _ in rows)} kernels")
-            for kernel, launches, us in rows:
-                print(f"  {us:9.1f} us  {launches:3d} x  {kernel}")
+            for kernel, launches, ms in rows[:20]:
+                print(f"  {ms:9.3f} ms  {launches:6d} x  {kernel}")
         return {}
     runs = {}
     for name, model in models:
