@@ -8,11 +8,22 @@
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #
-# Writes $OUT/<label>-<rep>.jsonl (and .txt) for rep 1, 2.
+# Writes $OUT/<label>-<rep>.jsonl (and .txt) for rep 1, 2. With --generate after the
+# builds, each run is the generation example's instead (its arguments follow):
+#
+#   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --generate --preset gpu --batch 32
 set -euo pipefail
 cd "$(dirname "$0")/.."
-builds=${1:?usage: ab.sh "label=dir ..." [bench.run args]}
+builds=${1:?usage: ab.sh "label=dir ..." [--generate] [bench.run or generate.py args]}
 shift
+run=(python3 -m bench.run --backends jax_fa4)
+record=--out
+if [ "${1-}" = --generate ]; then
+  shift
+  run=(python3 examples/generate.py)
+  record=--json  # which appends: each run's file is removed first
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
 out=${OUT:-build/ab-out}
 mkdir -p "$out"
 keep=$(mktemp -d)
@@ -26,7 +37,8 @@ for rep in 1 2; do
     if [ -d "$dir/jax_fa4" ]; then cp "$dir"/jax_fa4/*.py jax_fa4/; fi
     cp "$dir/_ffi.abi3.so" jax_fa4/_ffi.abi3.so
     echo "== $label rep $rep"
-    python3 -m bench.run --backends jax_fa4 "$@" --out "$out/$label-$rep.jsonl" \
+    rm -f "$out/$label-$rep.jsonl"
+    "${run[@]}" "$@" "$record" "$out/$label-$rep.jsonl" \
       > "$out/$label-$rep.txt" 2>&1 || { tail -n 20 "$out/$label-$rep.txt"; exit 1; }
   done
 done

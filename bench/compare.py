@@ -3,7 +3,9 @@
     python -m bench.compare OUT base new        # reads OUT/{base,new}-{1,2}.jsonl
 
 Prints, per cell, old ms and the speedup old / new of each repetition (> 1: new is
-faster), then the range of speedups per head dim and mask.
+faster), then the range of speedups per head dim and mask. Records of the generation
+example (`ab.sh --generate`) compare tokens/s per batch and model instead, and show
+each run's paged / dense time.
 """
 
 import argparse
@@ -18,8 +20,36 @@ def _load(path: pathlib.Path) -> dict:
     cells = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        cells[tuple(r.get(k) for k in KEY)] = r["ms"]
+        if "tokens_per_s" in r:  # examples/generate.py: seconds per token, a time
+            for model, rate in r["tokens_per_s"].items():
+                cells[("generate", r["config"]["batch"], model)] = 1 / rate
+        else:
+            cells[tuple(r.get(k) for k in KEY)] = r["ms"]
     return cells
+
+
+def _generation(reps, old_label, new_label):
+    """The example's cells: tokens/s of old, old / new time per repetition, and each
+    run's paged / dense time (the ratio the example prints)."""
+    for cell in sorted(k for k in reps[0][0].keys() & reps[0][1].keys()
+                       if k[0] == "generate"):
+        _, batch, model = cell
+        ratios = [old[cell] / fresh[cell] for old, fresh in reps if cell in old and cell in fresh]
+        print(f"  batch {batch:<4} {model:22} {1 / reps[0][0][cell]:10.1f} tokens/s  "
+              + "  ".join(f"{x:.3f}" for x in ratios))
+    for label, runs in ((old_label, [r[0] for r in reps]), (new_label, [r[1] for r in reps])):
+        for batch in sorted({k[1] for r in runs for k in r if k[0] == "generate"}):
+            times = [{k[2]: t for k, t in r.items() if k[:2] == ("generate", batch)}
+                     for r in runs]
+            pairs = [t for t in times if len(t) == 2]
+            print(f"  {label} batch {batch}: paged / dense time "
+                  + "  ".join(f"{_paged_over_dense(t):.3f}" for t in pairs))
+
+
+def _paged_over_dense(times: dict) -> float:
+    paged = next(t for name, t in times.items() if "paged" in name)
+    dense = next(t for name, t in times.items() if "dense" in name)
+    return paged / dense
 
 
 def main(argv=None):
@@ -33,9 +63,12 @@ def main(argv=None):
         reps = [(_load(folder / f"{args.old}-{r}.jsonl"), _load(folder / f"{new}-{r}.jsonl"))
                 for r in (1, 2)]
         print(f"{new} vs {args.old} (speedup old / new per repetition)")
+        _generation(reps, args.old, new)
         groups = {}
         # The cells both builds measured (an old run may cover more than this one).
         for cell in sorted(reps[0][0].keys() & reps[0][1].keys(), key=str):
+            if cell[0] == "generate":
+                continue
             ratios = [old[cell] / fresh[cell] for old, fresh in reps
                       if cell in old and cell in fresh]
             mode, d, causal, s, _, _, backend = cell

@@ -48,3 +48,19 @@ def test_backends_of_one_run_stay_apart(tmp_path, capsys, bench_module):
     out = capsys.readouterr().out
     assert "fwd d128 full jax_fa4_paged: 2.000 - 2.000" in out
     assert "fwd d128 full jax_fa4_lengths: 1.000 - 1.000" in out
+
+
+def test_generation_records(tmp_path, capsys, bench_module):
+    # ab.sh --generate: examples/generate.py's records, tokens/s per batch and model.
+    compare = bench_module("compare")
+    for label, paged in (("base", 100.0), ("new", 125.0)):
+        for rep in (1, 2):
+            record = {"config": {"batch": 32}, "device": "H100", "agree": 0.8,
+                      "tokens_per_s": {"jax_fa4 paged": paged, "jax.nn cudnn dense": 110.0}}
+            (tmp_path / f"{label}-{rep}.jsonl").write_text(json.dumps(record) + "\n")
+    compare.main([str(tmp_path), "base", "new"])
+    out = capsys.readouterr().out
+    assert "jax_fa4 paged" in out and "100.0 tokens/s  1.250  1.250" in out
+    assert "110.0 tokens/s  1.000  1.000" in out
+    assert "base batch 32: paged / dense time 1.100  1.100" in out
+    assert "new batch 32: paged / dense time 0.880  0.880" in out
