@@ -1,7 +1,7 @@
 """Softcap's accuracy: the kernels compute tanh with the hardware's approximation
 (tanh.approx.f32, kernels/sm90/softcap.py). Measured here against the float32 reference
-and next to the same call without a cap; README (Supported matrix) quotes the printed
-numbers, and the bound below is twice the largest of them."""
+and next to the same call without a cap; docs/performance.md (Feature cells) quotes the
+printed numbers, and the bound below is twice the largest of them."""
 
 import functools
 
@@ -14,7 +14,7 @@ import jax_fa4
 
 pytestmark = pytest.mark.gpu
 
-LSE_BOUND = 2e-5  # twice the largest max|lse - ref| measured with a cap (README)
+LSE_BOUND = 2e-5  # twice the largest max|lse - ref| measured with a cap (docs/performance.md)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
