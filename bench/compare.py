@@ -28,22 +28,25 @@ def _load(path: pathlib.Path) -> dict:
     return cells
 
 
+def _ratios(reps, cell) -> list[float]:
+    """old / new time of `cell` in each repetition that measured it in both builds."""
+    return [old[cell] / fresh[cell] for old, fresh in reps if cell in old and cell in fresh]
+
+
 def _generation(reps, old_label, new_label):
     """The example's cells: tokens/s of old, old / new time per repetition, and each
     run's paged / dense time (the ratio the example prints)."""
-    for cell in sorted(k for k in reps[0][0].keys() & reps[0][1].keys()
-                       if k[0] == "generate"):
+    cells = sorted(k for k in reps[0][0].keys() & reps[0][1].keys() if k[0] == "generate")
+    for cell in cells:
         _, batch, model = cell
-        ratios = [old[cell] / fresh[cell] for old, fresh in reps if cell in old and cell in fresh]
         print(f"  batch {batch:<4} {model:22} {1 / reps[0][0][cell]:10.1f} tokens/s  "
-              + "  ".join(f"{x:.3f}" for x in ratios))
-    for label, runs in ((old_label, [r[0] for r in reps]), (new_label, [r[1] for r in reps])):
-        for batch in sorted({k[1] for r in runs for k in r if k[0] == "generate"}):
-            times = [{k[2]: t for k, t in r.items() if k[:2] == ("generate", batch)}
-                     for r in runs]
-            pairs = [t for t in times if len(t) == 2]
-            print(f"  {label} batch {batch}: paged / dense time "
-                  + "  ".join(f"{_paged_over_dense(t):.3f}" for t in pairs))
+              + "  ".join(f"{x:.3f}" for x in _ratios(reps, cell)))
+    for side, label in enumerate((old_label, new_label)):
+        for batch in sorted({batch for _, batch, _ in cells}):
+            runs = [{model: t for (kind, b, model), t in rep[side].items()
+                     if (kind, b) == ("generate", batch)} for rep in reps]
+            print(f"  {label} batch {batch}: paged / dense time " + "  ".join(
+                f"{_paged_over_dense(run):.3f}" for run in runs if len(run) == 2))
 
 
 def _paged_over_dense(times: dict) -> float:
@@ -69,8 +72,7 @@ def main(argv=None):
         for cell in sorted(reps[0][0].keys() & reps[0][1].keys(), key=str):
             if cell[0] == "generate":
                 continue
-            ratios = [old[cell] / fresh[cell] for old, fresh in reps
-                      if cell in old and cell in fresh]
+            ratios = _ratios(reps, cell)
             mode, d, causal, s, _, _, backend = cell
             mask = "causal" if causal else "full"
             name = "" if backend in (None, "jax_fa4") else f" {backend}"
