@@ -12,7 +12,9 @@ DETERMINISTIC also take deterministic=True: a backward that is bitwise reproduci
 bwd_det pass). Backends in PAGED take page_size and read K and V as a paged cache (its
 pages in a fixed random order), forward only: jax_fa4_paged, `paged_attention`.
 jax_fa4_lengths is jax_fa4 with kv_lengths of the whole rows (forward only), the dense
-cache to hold the paged one against: same kernel family, K and V contiguous.
+cache to hold the paged one against: same kernel family, K and V contiguous. Backends in
+FP8 take q, k, v in float8_e4m3fn (bench/run.py casts them before timing; descales 1),
+forward only: jax_fa4_fp8, the e4m3 kernels (its V transpose is part of the call).
 """
 
 import jax
@@ -95,6 +97,17 @@ def _jax_fa4_lengths(causal, window_left=None, softcap=None, documents=None):
     return attend
 
 
+def _jax_fa4_fp8(causal, window_left=None, softcap=None, documents=None):
+    if softcap is not None or documents:
+        raise NotImplementedError("jax_fa4_fp8 has no softcap or documents")
+    window = None if window_left is None else (window_left, None)
+
+    def attend(q, k, v):
+        return jax_fa4.attention(q, k, v, causal=causal, window=window, implementation="cute")
+
+    return attend
+
+
 def _as_documents(documents, x):
     """(B, S, ...) -> (B * documents, S / documents, ...)."""
     b, s = x.shape[:2]
@@ -127,8 +140,10 @@ BACKENDS = {
     "jax_fa4_varlen": _jax_fa4_varlen,
     "jax_fa4_paged": _jax_fa4_paged,
     "jax_fa4_lengths": _jax_fa4_lengths,
+    "jax_fa4_fp8": _jax_fa4_fp8,
     "jax_cudnn": _jax_nn("cudnn"),
     "jax_xla": _jax_nn("xla"),
 }
 DETERMINISTIC = ("jax_fa4", "jax_fa4_varlen")
 PAGED = ("jax_fa4_paged",)
+FP8 = ("jax_fa4_fp8",)

@@ -14,6 +14,8 @@
         --causal false --page-size 64       # decode over a paged cache (+ jax_fa4_paged,
                                             # and jax_fa4_lengths: the dense cache)
     python -m bench.run --hdims 128 --seqlens 512 --kernels   # and each kernel's time
+    python -m bench.run --hdims 128,256 --passes fwd --backends jax_fa4,jax_fa4_fp8,jax_cudnn
+                                                          # float8 (e4m3) forward
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -35,7 +37,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.backends import BACKENDS, DETERMINISTIC, PAGED
+from bench.backends import BACKENDS, DETERMINISTIC, FP8, PAGED
 from bench.flops import attention_flops
 from bench.timing import kernel_times, make_timer
 
@@ -80,6 +82,10 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
         options["documents"] = documents
     if backend in PAGED:
         options["page_size"] = page_size
+    if backend in FP8:
+        if mode != "fwd":
+            raise NotImplementedError(f"{backend} is forward only")
+        q, k, v = (x.astype(jnp.float8_e4m3fn) for x in (q, k, v))
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         call, args = attn, (q, k, v)
@@ -135,7 +141,8 @@ def main():
 
     backends = (args.backends.split(",") if args.backends else
                 [be for be in BACKENDS if (args.documents or be != "jax_fa4_varlen")
-                 and (args.page_size or be not in PAGED + ("jax_fa4_lengths",))])
+                 and (args.page_size or be not in PAGED + ("jax_fa4_lengths",))
+                 and be not in FP8])
     unknown = set(backends) - set(BACKENDS)
     if unknown:
         ap.error(f"unknown backends {sorted(unknown)}; known: {sorted(BACKENDS)}")

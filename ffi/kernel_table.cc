@@ -122,7 +122,14 @@ const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, int head
 
 }  // namespace
 
-const char* DtypeName(Dtype dtype) { return dtype == Dtype::kBF16 ? "bf16" : "fp16"; }
+const char* DtypeName(Dtype dtype) {
+  switch (dtype) {
+    case Dtype::kBF16: return "bf16";
+    case Dtype::kF16: return "fp16";
+    case Dtype::kE4M3: return "e4m3";
+  }
+  return "?";
+}
 
 const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments, bool split, bool paged) {

@@ -11,7 +11,7 @@
 
 namespace jax_fa4 {
 
-enum class Dtype { kBF16, kF16 };
+enum class Dtype { kBF16, kF16, kE4M3 };  // kE4M3: float8 forwards, out in bf16
 
 // One forward launch. Tensors are row-major: q, o (batch, seqlen_q, heads, head_dim),
 // k, v (batch, seqlen_k, heads_kv, head_dim), lse (batch, heads, seqlen_q) fp32; query
@@ -75,6 +75,13 @@ struct FwdArgs {
   void* new_k;
   void* new_v;
   int32_t new_rows = 0;
+  // float8 (kE4M3) kernels: v is V^T, (batch, v_rows = heads_kv * head_dim_v, v_keys)
+  // with v_keys >= seqlen_k a multiple of 32 (keys past seqlen_k zero), each 32 keys in
+  // the order of jax_fa4/_float8.py transposed_v; descale (3, heads_kv) fp32 the
+  // q, k and v descales of each K/V head; o is bf16. Others ignore these.
+  int32_t v_rows = 0;
+  int32_t v_keys = 0;
+  void* descale = nullptr;
 };
 
 // One backward launch (preprocess, main, postprocess in order on the stream). Row-major:

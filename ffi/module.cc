@@ -9,6 +9,8 @@
 
 extern "C" XLA_FFI_Error* JaxFa4FwdInitialize(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* JaxFa4FwdExecute(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* JaxFa4FwdFp8Initialize(XLA_FFI_CallFrame*);
+extern "C" XLA_FFI_Error* JaxFa4FwdFp8Execute(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* JaxFa4BwdInitialize(XLA_FFI_CallFrame*);
 extern "C" XLA_FFI_Error* JaxFa4BwdExecute(XLA_FFI_CallFrame*);
 
@@ -57,6 +59,7 @@ NB_MODULE(_ffi, m) {
   m.def("registrations", [] {
     nb::dict targets;
     targets["jax_fa4_fwd"] = Stages(JaxFa4FwdInitialize, JaxFa4FwdExecute);
+    targets["jax_fa4_fwd_fp8"] = Stages(JaxFa4FwdFp8Initialize, JaxFa4FwdFp8Execute);
     targets["jax_fa4_bwd"] = Stages(JaxFa4BwdInitialize, JaxFa4BwdExecute);
     return targets;
   }, "FFI target name -> {stage: handler capsule}, for jax.ffi.register_ffi_target.");

@@ -69,10 +69,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         v_descale; each descale is None (1) or a float32 array, one per tensor (shape ())
         or per K/V head (Hkv,; a query head takes its K/V head's q descale). out has
         out_dtype: static, bfloat16 (default), float16 or float32. Forward only: a
-        gradient through q, k, v or a descale raises NotImplementedError. No kernel takes
-        float8 yet: the call runs the reference on the dequantized inputs in float32 (with
-        a warning on a GPU). Descales and out_dtype are refused with other dtypes, other
-        float8 formats everywhere, and float8 by attention_varlen and paged_attention.
+        gradient through q, k, v or a descale raises NotImplementedError. On Hopper the
+        e4m3 kernels run calls without a mask or with a causal / window band, with GQA
+        and sinks, at head dims up to 256 (64, 128, 256 built; others zero-padded to
+        them): q and k in e4m3 on the tensor cores, P rounded to e4m3 for P V, out
+        written in bfloat16 (then cast to out_dtype). Softcap, segment ids and lengths
+        run the reference on the dequantized inputs in float32 (with a warning on a GPU),
+        as does every call without a GPU. A K/V head whose q and k descales multiply to
+        a negative number, or with a descale that is not finite, gives NaN out and lse.
+        Descales and out_dtype are refused with other dtypes, other float8 formats
+        everywhere, and float8 by attention_varlen and paged_attention.
     deterministic: static bool, for the backward kernel: False (default) accumulates dq
         with atomic adds, fast, but the summation order and so the last bits of dq can
         change from run to run; True accumulates in a fixed order, bitwise reproducible
@@ -107,10 +113,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
                  descales=descales, out_dtype=out_dtype, **arrays)
     arrays.update(q_lengths=_masks.clip_lengths(q_lengths, q.shape[1]),
                   kv_lengths=_masks.clip_lengths(kv_lengths, k.shape[1]))
-    if spec.out_dtype is not None:  # float8: only the reference takes it (see above)
-        q, k, v = _float8.dequantize(q, k, v, **descales)
-    out, lse = _run(spec, q, k, v, **arrays)
+    table = None
+    if spec.out_dtype is not None:  # float8: the e4m3 kernel, or the reference dequantized
+        table = _float8.descale_table(descales, k.shape[-2])
+        if spec.path == "reference":
+            q, k, v = _float8.dequantize(q, k, v, table)
+    out, lse = _run(spec, q, k, v, **arrays, descales=table)
     if spec.out_dtype is not None:
+        out, lse = _float8.undefined_heads(out, lse, table)
         out = out.astype(spec.out_dtype)
     return (out, lse) if spec.return_lse else out
 
@@ -225,7 +235,8 @@ def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
 
 
 def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, q_lengths,
-         kv_lengths):
+         kv_lengths, descales=None):
+    """descales: float8 calls on the kernel paths, _float8.descale_table's."""
     if spec.path == "cudnn":  # no lse: _fallback.cudnn_support refuses return_lse
         return _fallback.attention(spec, q, k, v, q_lengths=q_lengths,
                                    kv_lengths=kv_lengths), None
@@ -242,23 +253,26 @@ def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, 
         lambda: _segment_plan.padded_rows(
             spec, seqlen_q, seqlen_k, batch=batch, q_segment_ids=q_segment_ids,
             kv_segment_ids=kv_segment_ids, q_lengths=q_lengths, kv_lengths=kv_lengths),
-        sinks, lambda: jnp.arange(seqlen_q) >= q_lengths[:, None])
+        sinks, lambda: jnp.arange(seqlen_q) >= q_lengths[:, None], descales)
 
 
-def _kernel_path(spec: AttentionSpec, q, k, v, segments, sinks, padding):
+def _kernel_path(spec: AttentionSpec, q, k, v, segments, sinks, padding, descales=None):
     """The kernel (or per-platform) paths on batch-first q (B, Sq, H, D), k, v.
     segments() gives the segment kernels' (rows, keys) when spec.segments; padding() the
     (B, Sq) rows that are no query, which keep lse = -inf with sinks (q_lengths, rows
-    outside every varlen sequence)."""
+    outside every varlen sequence). descales: float8 calls' (_float8.descale_table),
+    whose out comes back in bf16."""
     batch, seqlen_q, heads, _ = q.shape
     seqlen_k = k.shape[1]
     if 0 in (batch, heads, seqlen_q, seqlen_k):
         # Shapes are static, so empty problems never reach a kernel: no visible key
         # means out = 0 and lse = -inf (empty arrays when B, H or Sq is 0).
-        out = jnp.zeros((*q.shape[:-1], v.shape[-1]), q.dtype)
+        out_dtype = q.dtype if descales is None else jnp.bfloat16
+        out = jnp.zeros((*q.shape[:-1], v.shape[-1]), out_dtype)
         lse = jnp.full((batch, heads, seqlen_q), -jnp.inf, jnp.float32)
     else:
-        out, lse = _kernel_attention(spec, q, k, v, segments() if spec.segments else ())
+        out, lse = _kernel_attention(spec, q, k, v, segments() if spec.segments else (),
+                                     descales)
     if spec.has_sinks:
         out, lse = _add_sinks(out, lse, sinks)
         if spec.has_q_lengths or spec.varlen:
@@ -266,20 +280,25 @@ def _kernel_path(spec: AttentionSpec, q, k, v, segments, sinks, padding):
     return out, lse
 
 
-def _kernel_attention(spec: AttentionSpec, q, k, v, segments=()):
+def _kernel_attention(spec: AttentionSpec, q, k, v, segments=(), descales=None):
     """The kernel paths at the kernels' head dims: q and k zero-padded along D, v along
     Dv, to theirs when (D, Dv) is not built (exact; spec keeps the softmax scale of the
     true D), out cut back to Dv. Autodiff of the pad and the cut carries the gradients."""
     kernel_spec = _kernel_select.for_kernel(spec)
     dims = (kernel_spec.head_dim, kernel_spec.head_dim_v)
-    if (spec.head_dim, spec.head_dim_v) == dims:
+
+    def run(spec, q, k, v):
+        if descales is not None:
+            return _float8.forward(spec, q, k, v, descales)
         return _vjp.attention(spec, q, k, v, segments)
+
+    if (spec.head_dim, spec.head_dim_v) == dims:
+        return run(spec, q, k, v)
 
     def pad(x, width):
         return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
-    out, lse = _vjp.attention(kernel_spec, pad(q, dims[0]), pad(k, dims[0]), pad(v, dims[1]),
-                              segments)
+    out, lse = run(kernel_spec, pad(q, dims[0]), pad(k, dims[0]), pad(v, dims[1]))
     return out[..., :spec.head_dim_v], lse
 
 

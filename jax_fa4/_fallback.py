@@ -37,7 +37,7 @@ _warned: set[str] = set()
 def cudnn_support(spec: AttentionSpec, seqlen_q: int, seqlen_k: int,
                   hopper: bool) -> tuple[bool, str]:
     """Whether jax.nn's cuDNN path computes exactly this call's attention; else why not."""
-    if _kernel_select.kernel_dtype(spec) is None:
+    if _kernel_select.kernel_dtype(spec) is None or spec.out_dtype is not None:
         return False, f"cuDNN takes bfloat16 or float16, not {spec.dtype}"
     limit = 256 if hopper else 128
     if spec.head_dim != spec.head_dim_v or spec.head_dim % 8 or spec.head_dim > limit:

@@ -16,7 +16,7 @@ from jax_fa4 import _registry
 from jax_fa4._spec import AttentionSpec
 
 # Numpy dtype names of the inputs the kernels take -> the manifest's dtype names.
-KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "e4m3"}
 
 # The kernels' grids are (tiles, heads, batch): y and z stop at 65535 (ffi/handler_common.h).
 GRID_YZ_LIMIT = 65535

@@ -38,7 +38,8 @@ def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
     if implementation == "cute":
         if _kernel_select.kernel_dtype(spec) is None:
             raise ValueError(
-                f"implementation='cute' takes bfloat16 or float16 inputs; got {spec.dtype}")
+                f"implementation='cute' takes bfloat16, float16 or float8_e4m3fn inputs; "
+                f"got {spec.dtype}")
         ok, reason = kernel_runs_here(spec, sizes)
         if not ok:
             raise NotImplementedError(reason)
@@ -76,8 +77,9 @@ def fallback(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
 def with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
     """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
     its kernels were built."""
-    if spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int):
-        return spec  # a symbolic Sq (jax.export) keeps the plain layout
+    if (spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int)
+            or spec.out_dtype is not None):
+        return spec  # a symbolic Sq (jax.export) keeps the plain layout; float8 has none
     packed = dataclasses.replace(spec, pack_gqa=True)
     fwd, bwd = _kernel_select.fwd_kernel, _kernel_select.bwd_kernel
     if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, fwd(spec)["tile_m"])

@@ -15,6 +15,10 @@ import dataclasses
 import itertools
 
 DTYPES = ("bf16", "fp16")
+# float8 e4m3 q, k, v (out in bf16): forward kernels without a mask or banded, no softcap,
+# segments, split or pages, at these head dims (D = Dv).
+FP8_DTYPES = ("e4m3",)
+FP8_HEAD_DIMS = (64, 128, 256)
 HEAD_DIMS = (64, 96, 128, 256)
 # (D of q and k, Dv of v and out) pairs with a kernel of their own besides D == Dv.
 HEAD_DIM_PAIRS = ((192, 128),)
@@ -177,6 +181,22 @@ _TILES = {
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
+# float8: fp8 wgmma takes 32 keys per k-step, so blocks are multiples of 32 keys; two
+# consumers with ping-pong. Shared memory (1 byte a value): d128 Q 16 + K 2 x 16 + V 2 x
+# 16 = 80 KB; d256 32 + 64 + 64 = 160 KB (a second Q stage: + 16 / 32 KB). Measured on
+# the H100 on 2026-11-27 (alternated twice in one call; forward at 1k / 4k / 16k tokens):
+#   - Conditional rescaling at 4 log2 units (P then takes 2^4 in place of 2^8 as its
+#     offset: fwd.py FP8_P_LOG2_MAX), against rescaling on every growth: d128 1.01-1.03
+#     / 1.04-1.05 / 1.06-1.07, causal 0.99 / 1.00-1.02 / 1.02; d256 1.04 / 1.07 / 1.08,
+#     causal 1.04 / 1.09-1.10 / 1.10.
+#   - Without a mask, persistent CTAs in static order with two Q stages, against one CTA
+#     per tile: d128 1.09-1.10 / 1.04-1.05 / 1.03, d256 1.05 / 1.02 / 1.01. Causal keeps
+#     one CTA per tile (a static order cannot balance tiles of unequal length).
+_FP8_TILES = {
+    (head_dim, banded): Tile(m=128, n=128, kv_stages=2, rescale_threshold=4.0,
+                             schedule="tile" if banded else "static",
+                             q_stages=1 if banded else 2)
+    for head_dim in FP8_HEAD_DIMS for banded in (False, True)}
 _DYNAMIC_BANDED = {
     head_dim: dataclasses.replace(tile, pingpong=False, schedule="dynamic",
                                   q_stages=1 if head_dim == 256 else 2)
@@ -217,8 +237,14 @@ class _KernelConfig:
     kind = ""
 
     def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES}")
+        if self.dtype in FP8_DTYPES:
+            if (self.kind != "fwd" or self.softcap or self.segments or self.split
+                    or self.paged or self.head_dim not in FP8_HEAD_DIMS
+                    or self.head_dim_v not in (None, self.head_dim)):
+                raise ValueError(f"{self.dtype} kernels are forwards at head dims "
+                                 f"{FP8_HEAD_DIMS} without softcap, segments, splits or pages")
+        elif self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} not in {DTYPES + FP8_DTYPES}")
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.head_dim_v != self.head_dim:
@@ -286,6 +312,8 @@ class FwdConfig(_KernelConfig):
         with three K/V stages 0.91x / 0.98x.
         Where two such CTAs fit in shared memory they share an SM (_SPLIT_TWO_PER_SM),
         so that one's loads run while the other computes; see there."""
+        if self.dtype in FP8_DTYPES:
+            return _FP8_TILES[(self.head_dim, self.banded)]
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         if self.split:
@@ -372,6 +400,8 @@ FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
     if (c or not split) and (seg or not paged)
     and (not paged or h == hv and h in PAGED_HEAD_DIMS)
 )
+FWD_MANIFEST += tuple(FwdConfig(dtype=d, head_dim=h, banded=c)
+                      for d in FP8_DTYPES for h in FP8_HEAD_DIMS for c in (False, True))
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)

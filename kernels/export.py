@@ -34,7 +34,7 @@ from typing import NamedTuple
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kernels.config import MANIFEST, BwdConfig, FwdConfig  # noqa: E402
+from kernels.config import FP8_DTYPES, MANIFEST, BwdConfig, FwdConfig  # noqa: E402
 
 Config = FwdConfig | BwdConfig
 TOOLCHAIN = "nvidia-cutlass-dsl"
@@ -115,6 +115,11 @@ NEW_ROWS = (
 # Every forward kernel takes the "dynamic" schedule's tile counter after out and lse
 # (kernels/sm90/schedule.py): one int32 that the handler zeroes before such a launch.
 TILE_COUNTER = Param("mTileCounter", "tile_counter", "bhn", "1", "i32", heads="1", batch="1")
+# float8 forwards take V^T, (B, Hkv * Dv, Skp) with Skp >= Sk keys a multiple of 32 (16
+# bytes at least, as TMA strides need), and after the tile counter the descales (1, 3, Hkv) fp32:
+# q, k, v of each K/V head (kernels/sm90/fwd.py); their out is bf16 ("out").
+FP8_VT = Param("mV", "v", "bhn", "v_keys", heads="v_rows")
+FP8_DESCALE = Param("mDescale", "descale", "bhn", "heads_kv", "f32", heads="3", batch="1")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
 VALUE_FIELDS = ("v", "o", "o_part", "dout", "dv", "new_v")
 
@@ -135,6 +140,9 @@ SEGMENT_TENSORS = (
 def tensors(cfg) -> tuple[Param, ...]:
     """The tensor parameters of cfg's kernel, in order."""
     params = TENSORS[cfg.kind]
+    if cfg.kind == "fwd" and cfg.dtype in FP8_DTYPES:
+        out = params[3]._replace(dtype="out")
+        return params[:2] + (FP8_VT, out, params[4], TILE_COUNTER, FP8_DESCALE)
     if cfg.kind == "fwd":
         params = (((SPLIT_Q if cfg.split else params[0]),)
                   + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
@@ -204,7 +212,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_tensor
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
-    from kernels.sm90.fwd import DTYPES, FwdSm90
+    from kernels.sm90.fwd import DTYPES, OUT_DTYPES, FwdSm90
 
     # Without a GPU, export JIT-links the host stub against symbols of the DSL runtime
     # that only a loaded driver would otherwise provide: load them globally first.
@@ -226,11 +234,12 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     # One runtime size per name: batch, heads and each extent of `params`. The backward's
     # workspace extents are whole query tiles (WorkspaceExtents in ffi/kernel_table.cc):
     # saying so lets the kernels use 16-byte accesses on them.
-    tiles = {"sq_pad": cfg.tile.m, "dq_accum_len": cfg.tile.m * cfg.head_dim}
+    tiles = {"sq_pad": cfg.tile.m, "dq_accum_len": cfg.tile.m * cfg.head_dim, "v_keys": 16}
     sizes = {name: cute.SymInt(divisibility=tiles.get(name, 1))
              for name in (*(p.batch for p in params), *(p.heads for p in params),
                           *(p.extent for p in params))}
-    dtypes = {"io": DTYPES[cfg.dtype], "f32": Float32, "i32": Int32}
+    dtypes = {"io": DTYPES[cfg.dtype], "out": OUT_DTYPES.get(cfg.dtype, DTYPES[cfg.dtype]),
+              "f32": Float32, "i32": Int32}
 
     def fake(p: Param):
         b, h, n = sizes[p.batch], sizes[p.heads], sizes[p.extent]
@@ -249,14 +258,15 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
     main = [fake(p) for p in params
-            if p not in SEGMENT_TENSORS + SPLIT_PARTIALS + (PAGE_TABLE, *NEW_ROWS)]
+            if p not in SEGMENT_TENSORS + SPLIT_PARTIALS + (PAGE_TABLE, *NEW_ROWS, FP8_DESCALE)]
     # Forward kernels take the split partials (None unless split) after the tile
     # counter, and the page table and new rows (None unless paged) before their scalars.
-    parts, pages = [], []
+    parts, pages, descale = [], [], []
     if cfg.kind == "fwd":
         parts = [fake(p) if cfg.split else None for p in SPLIT_PARTIALS]
         pages = [fake(p) if cfg.paged else None for p in (PAGE_TABLE, *NEW_ROWS)]
-    compiled = cute.compile(kernel, *main, *parts, *seg, *pages, *scalars,
+        descale = [fake(FP8_DESCALE) if cfg.dtype in FP8_DTYPES else None]
+    compiled = cute.compile(kernel, *main, *parts, *seg, *pages, *descale, *scalars,
                             cuda.CUstream(0),
                             options=options)
     compiled.export_to_c(file_path=out_dir, file_name=cfg.name, function_prefix=cfg.name)
@@ -358,7 +368,8 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         table = f"k{kind.capitalize()}Kernels"
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
-            dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16"}[cfg.dtype]
+            dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16",
+                     "e4m3": "Dtype::kE4M3"}[cfg.dtype]
             dynamic = kind == "fwd" and cfg.tile.schedule == "dynamic"
             banded, softcap, segments, split, paged, dynamic = (
                 "true" if flag else "false"

@@ -48,3 +48,36 @@ def convert(src: cute.Tensor, dst: cute.Tensor, piece: int = 8):
     dst_flat = cute.make_tensor(dst.iterator, pieces)
     for j in range(n // piece):  # unrolled as the kernel is traced
         dst_flat[None, j].store(src_flat[None, j].load().to(dst.element_type))
+
+
+# float8 P as the register A operand of O += P V. An m64nNk32 e4m3 A slice holds, per
+# thread, 16 values (4 columns, 2 row halves, 2 column halves: columns 4t..4t+3 and
+# 16+4t..16+4t+3 of lane quad index t), while the accumulator's ((2, 2, N/8)) holds
+# columns 2t, 2t+1 of each 8-column block. No shuffle between threads moves one into the
+# other: the thread's 8 accumulator columns of a 32-column slice fill its 8 A columns of
+# that slice in order, so A column 16 h + 4 t + 2 q + p holds score column 16 h + 8 q +
+# 2 t + p, and V's keys come in that order instead (jax_fa4/_float8.py transposed_v),
+# which the sum over keys does not see.
+def acc_as_fp8_operand_a(acc_layout: cute.Layout) -> cute.Layout:
+    """The e4m3 A-operand layout ((4, 2, 2), 1, N/32) over a compact fragment of the
+    accumulator's size (N/2 values), filled by convert_to_fp8_operand_a."""
+    (v_col, v_row, v_blk), mma_m, mma_n = acc_layout.shape
+    assert (v_col, v_row, mma_m, mma_n) == (2, 2, 1, 1) and v_blk % 4 == 0, acc_layout
+    return cute.make_layout(((4, 2, 2), 1, v_blk // 4), stride=((1, 4, 8), 0, 16))
+
+
+def convert_to_fp8_operand_a(src: cute.Tensor, dst: cute.Tensor):
+    """dst (acc_as_fp8_operand_a's registers) = the accumulator src in e4m3: the column
+    pair (p, row r, block j = 4 s + 2 h + q) of src goes to A slot (2 q + p, r, h) of
+    slice s, two values (one cvt) at a time."""
+    (v_col, v_row, v_blk), _, _ = src.layout.shape
+    (d_col, d_row, d_blk), _, _ = src.layout.stride
+    assert d_col == 1, src.layout
+    for j in range(v_blk):  # unrolled as the kernel is traced
+        s, h, q = j // 4, (j % 4) // 2, j % 2
+        for r in range(v_row):
+            at_src = r * d_row + j * d_blk
+            at_dst = 2 * q + 4 * r + 8 * h + 16 * s
+            pair = cute.make_tensor(src.iterator + at_src, cute.make_layout(2))
+            out = cute.make_tensor(dst.iterator + at_dst, cute.make_layout(2))
+            out.store(pair.load().to(dst.element_type))

@@ -65,20 +65,27 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import BFloat16, Float16, Float32, Int32, Int64
+from cutlass import BFloat16, Float8E4M3FN, Float16, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
 from kernels import band
 from kernels.config import PRODUCER_REGS, FwdConfig, consumer_regs
 from kernels.sm90 import combine, mask, paged, schedule, segments, softcap, wgmma
-from kernels.sm90.fragments import acc_as_operand_a, convert, rows_cols
+from kernels.sm90.fragments import (acc_as_fp8_operand_a, acc_as_operand_a, convert,
+                                    convert_to_fp8_operand_a, rows_cols)
 from kernels.sm90.softmax import OnlineSoftmax
 
 WARPGROUP = 128
 CONSUMER_ROWS = 64  # query rows per consumer warpgroup: one wgmma M
 ROWS_PER_THREAD = 2  # accumulator rows a thread owns (fragments.py)
-DTYPES = {"bf16": BFloat16, "fp16": Float16}
+DTYPES = {"bf16": BFloat16, "fp16": Float16, "e4m3": Float8E4M3FN}
+# float8 kernels write out in bf16, and their P times 2^(FP8_P_LOG2_MAX - t) (softmax.py
+# p_offset; t the tile's rescale threshold, 0 without): P stays below 2^FP8_P_LOG2_MAX,
+# inside e4m3's largest finite 448, and above its subnormals for scores within 14 - t
+# log2 units of the row's max.
+OUT_DTYPES = {"e4m3": BFloat16}
+FP8_P_LOG2_MAX = 8.0
 # Paged variants: the producer warp that appends a call's new K/V rows to the cache
 # (warps 0 and 1 load).
 APPEND_WARP = 2
@@ -103,11 +110,11 @@ class Gmem:
     each tensor (S, D, H, B) (kernels/sm90/paged.py for paged K and V), and mLSE
     (Sq, H, B); split variants' `final`: (out, lse, g), the caller's out and lse
     (combine.unpacked) and its pack-GQA group, which a launch with one split writes
-    directly."""
+    directly; float8 variants' `descale` (1, 3, Hkv) (FwdSm90.__call__; None otherwise)."""
 
-    def __init__(self, q, k, v, o, mLSE, final=None):
+    def __init__(self, q, k, v, o, mLSE, final=None, descale=None):
         self.q, self.k, self.v, self.o, self.mLSE = q, k, v, o, mLSE
-        self.final = final
+        self.final, self.descale = final, descale
 
 
 class Scalars:
@@ -170,6 +177,12 @@ class Smem:
 class FwdSm90:
     def __init__(self, cfg: FwdConfig):
         self.dtype = DTYPES[cfg.dtype]
+        self.out_dtype = OUT_DTYPES.get(cfg.dtype, self.dtype)
+        # float8 (e4m3) q, k, v: V comes transposed (keys contiguous, as fp8 wgmma takes
+        # its B operand only K-major), P is rounded to e4m3 for O += P V, per-K/V-head
+        # descales scale the scores and out, and out is stored from registers (bf16 O
+        # does not fit the fp8 Q buffer it is staged in otherwise).
+        self.fp8 = cfg.dtype == "e4m3"
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
         self.banded = cfg.banded
@@ -186,6 +199,7 @@ class FwdSm90:
         self.consumers = cfg.tile.consumers
         self.pingpong = cfg.tile.pingpong
         self.rescale_threshold = cfg.tile.rescale_threshold
+        assert not self.fp8 or (self.rescale_threshold or 0) <= FP8_P_LOG2_MAX
         self.threads = WARPGROUP * (1 + self.consumers)
         self.ctas_per_sm = cfg.tile.ctas_per_sm
         self.consumer_regs = consumer_regs(self.consumers, self.ctas_per_sm)
@@ -216,6 +230,7 @@ class FwdSm90:
         mPages: cute.Tensor | None,
         mNewK: cute.Tensor | None,
         mNewV: cute.Tensor | None,
+        mDescale: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -229,7 +244,11 @@ class FwdSm90:
         mRows, mKeys, mPlan: segment variants only; mPages, mNewK, mNewV: paged
         variants only, and then mK, mV are the caches, into which the kernel appends
         the new rows mNewK, mNewV (paged.py). num_splits and unpack_group: split
-        variants only (others are launched with 1 and ignore them). num_sms: the
+        variants only (others are launched with 1 and ignore them). float8 variants:
+        mV is V^T, (B, Hkv * Dv, Skp) with each head's Dv rows of Skp keys (Skp >= Sk, a
+        multiple of 32, keys past Sk zero), whose keys run in the order of fragments.py
+        (float8 P) within each 32; mDescale (1, 3, Hkv) fp32, the q, k and v descales of each
+        K/V head; None otherwise. num_sms: the
         device's SM count, the most CTAs a persistent launch runs. mTileCounter (1, 1,
         1) int32: the "dynamic" schedule's counter of tiles taken, zeroed by the
         handler before the launch; others leave it alone."""
@@ -238,7 +257,12 @@ class FwdSm90:
         o_dst, lse_dst = (mOpart, mLSEpart) if cutlass.const_expr(self.split) else (mO, mLSE)
         q, k, o = _seq_major(mQ), _seq_major(mK), _seq_major(o_dst)
         # V^T (D, Sk, H, B): V is the B operand of O = P V with head_dim contiguous.
-        vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
+        if cutlass.const_expr(self.fp8):
+            keys, rows = mV.shape[2], mV.shape[1]
+            vt = cute.make_tensor(mV.iterator, cute.make_layout(
+                (dv, keys, rows // dv, mV.shape[0]), stride=(keys, 1, dv * keys, rows * keys)))
+        else:
+            vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         lse = cute.make_tensor(lse_dst.iterator, cute.select(lse_dst.layout, mode=[2, 1, 0]))
 
         qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
@@ -246,7 +270,8 @@ class FwdSm90:
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt,
                                                   self.q_stages * self.consumers)
         sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.kv_stages)
-        sV_layout = sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR, pv_tiler, dt, self.kv_stages)
+        v_major = LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR
+        sV_layout = sm90_utils.make_smem_layout_b(v_major, pv_tiler, dt, self.kv_stages)
         if cutlass.const_expr(self.paged):
             sK_layout, sV_layout = paged.ring_layouts(dt, d, dv, self.tile_n, self.kv_stages)
         sO_one = self._o_smem_layout()
@@ -268,7 +293,7 @@ class FwdSm90:
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(load, vt, sV_one, (dv, self.tile_n))
         # Split variants store their fp32 partials from registers: `o` itself.
         tma_atom_o, tma_o = None, o
-        if cutlass.const_expr(not self.split):
+        if cutlass.const_expr(not (self.split or self.fp8)):
             tma_atom_o, tma_o = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileS2GOp(), o, sO_one, (CONSUMER_ROWS, dv)
             )
@@ -299,7 +324,7 @@ class FwdSm90:
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             lse, out, out_lse, mTileCounter, mRows, mKeys, mPlan,
             (mPages, mK, mV, mNewK, mNewV) if cutlass.const_expr(self.paged) else None,
-            scale_log2,
+            mDescale, scale_log2,
             band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
         ).launch(
@@ -334,6 +359,7 @@ class FwdSm90:
         mKeys: cute.Tensor | None,
         mPlan: cute.Tensor | None,
         paged_tensors,
+        mDescale: cute.Tensor | None,
         scale_log2: Float32,
         band_lo: Int32,
         band_hi: Int32,
@@ -392,7 +418,7 @@ class FwdSm90:
         if cutlass.const_expr(self.split):
             final = (mOut, mOutLSE, mOut.shape[2] // tma_q.shape[2])
         gmem = Gmem((tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v),
-                    (tma_atom_o, tma_o), mLSE, final)
+                    (tma_atom_o, tma_o), mLSE, final, mDescale)
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k,
                       num_splits)
         smem = Smem(sQ, sK, sV, appended)
@@ -702,7 +728,9 @@ class FwdSm90:
         q_handle = q_consumer.wait_and_advance()
         sQc = sQ[None, None, q_handle.index * self.consumers + c]
         # O is staged in this consumer's own Q buffer (Dv <= D: it fits), in O's layout.
-        sOc = cute.make_tensor(sQc.iterator, self._o_smem_layout().outer)
+        sOc = None
+        if cutlass.const_expr(not self.fp8):
+            sOc = cute.make_tensor(sQc.iterator, self._o_smem_layout().outer)
         pv_mma = self._pv_mma()
         thr_qk = self._qk_mma().get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
@@ -713,18 +741,32 @@ class FwdSm90:
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, dv)))
         acc_o.fill(0.0)
         coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
-        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD, self.rescale_threshold)
+        v_descale = Float32(1.0)
+        if cutlass.const_expr(self.fp8):
+            kv_head = mask.kv_head(walk.head, gmem.q[1].shape[2], gmem.k[1].shape[2])
+            scale_log2 = (scale_log2 * gmem.descale[0, 0, kv_head]
+                          * gmem.descale[0, 1, kv_head])
+            v_descale = gmem.descale[0, 2, kv_head]
+        softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD, self.rescale_threshold,
+                                       self._p_offset())
         o_scale = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         # P in the input dtype, viewed as the register A operand of O += P V.
-        r_p = cute.make_rmem_tensor(thr_qk.make_fragment_C(s_shape).layout, self.dtype)
-        tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
+        acc_layout = thr_qk.make_fragment_C(s_shape).layout
+        if cutlass.const_expr(self.fp8):
+            r_p = cute.make_rmem_tensor((cute.size(acc_layout),), self.dtype)
+            tOrP = cute.make_tensor(r_p.iterator, acc_as_fp8_operand_a(acc_layout))
+        else:
+            r_p = cute.make_rmem_tensor(acc_layout, self.dtype)
+            tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
         row0 = m_block * self.tile_m + c * CONSUMER_ROWS
         coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, dv))))
-        tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
+        tiled_r2s = None
+        if cutlass.const_expr(not self.fp8):
+            tiled_r2s = wgmma.acc_store_copy(pv_mma, self.dtype)
         tiles = _Tiles(thr_qk=thr_qk, s_shape=s_shape, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV,
                        tOrP=tOrP, r_p=r_p, acc_o=acc_o, coord_s=coord_s, softmax=softmax,
                        o_scale=o_scale, c=c, row0=row0, coord_o=coord_o,
-                       tiled_r2s=tiled_r2s, sOc=sOc)
+                       tiled_r2s=tiled_r2s, sOc=sOc, v_descale=v_descale)
 
         if n_end > n_begin:
             self._start_turns(c)
@@ -747,7 +789,7 @@ class FwdSm90:
             else:
                 self._mask(s_rc, coord_s, row0, n_last, run, seg)
             softmax.step(s_rc, o_scale)
-            convert(acc_s, r_p)
+            self._convert_p(acc_s, r_p)
 
             if cutlass.const_expr(self.segments):
                 for i in cutlass.range(1, n_end, unroll=1):
@@ -823,7 +865,7 @@ class FwdSm90:
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         v_handle.release()
-        convert(acc_s, r_p)
+        self._convert_p(acc_s, r_p)
         return k_consumer, v_consumer
 
     @cute.jit
@@ -835,6 +877,9 @@ class FwdSm90:
         inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         tiles.softmax.finalize(inv_sum, lse)
+        if cutlass.const_expr(self.fp8):
+            for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+                inv_sum[r] = inv_sum[r] * tiles.v_descale
         self._rescale(acc_o, inv_sum)
 
         if cutlass.const_expr(self.split):
@@ -845,7 +890,10 @@ class FwdSm90:
                 self._store_partial(tiles, gmem.o[1], run, walk)
         else:
             self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
-            self._store_o(tiles, gmem.o, walk, tidx, warp)
+            if cutlass.const_expr(self.fp8):
+                self._store_o_direct(tiles, gmem.o[1], run, walk)
+            else:
+                self._store_o(tiles, gmem.o, walk, tidx, warp)
 
     @cute.jit
     def _store_lse(self, coord_o, row0, lse, mLSE, head, batch, run: Scalars, tidx: Int32):
@@ -881,6 +929,20 @@ class FwdSm90:
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _store_o_direct(self, tiles, mO, run: Scalars, walk: Walk):
+        """O in out_dtype straight from the accumulator into mO (Sq, Dv, H, B), each
+        thread its own column pairs; rows past Sq are skipped (float8 variants)."""
+        coord_o, row0, head, batch = tiles.coord_o, tiles.row0, walk.head, walk.out_batch
+        r_o = cute.make_rmem_tensor_like(tiles.acc_o, self.out_dtype)
+        r_o.store(tiles.acc_o.load().to(self.out_dtype))
+        o_rc = rows_cols(r_o)
+        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
+            row = row0 + coord_o[r, 0][0]
+            if row < run.seqlen_q:
+                for col in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
+                    mO[row, coord_o[r, col][1], head, batch] = o_rc[r, col]
 
     @cute.jit
     def _store_partial(self, tiles, mO, run: Scalars, walk: Walk):
@@ -931,6 +993,18 @@ class FwdSm90:
         else:
             mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.banded)
 
+    def _p_offset(self) -> float:
+        if not self.fp8:
+            return 0.0
+        return FP8_P_LOG2_MAX - (self.rescale_threshold or 0.0)
+
+    def _convert_p(self, acc_s, r_p):
+        """P (the softmax's fp32 scores, in place in acc_s) into r_p for O += P V."""
+        if cutlass.const_expr(self.fp8):
+            convert_to_fp8_operand_a(acc_s, r_p)
+        else:
+            convert(acc_s, r_p)
+
     # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _qk_mma(self):
         k_major = OperandMajorMode.K
@@ -940,8 +1014,9 @@ class FwdSm90:
         )
 
     def _pv_mma(self):
+        v_major = OperandMajorMode.K if self.fp8 else OperandMajorMode.MN
         return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+            self.dtype, self.dtype, OperandMajorMode.K, v_major, Float32,
             (1, 1, 1), (CONSUMER_ROWS, self.head_dim_v), warpgroup.OperandSource.RMEM,
         )
 

@@ -9,6 +9,11 @@ A row that has seen only -inf keeps m = -inf; it is treated as max 0 so that eve
 and o_scale is exactly 0 (no inf - inf). The partial sums are quad-reduced once, at the
 end. Requires scale_log2 > 0.
 
+`p_offset` (float8 kernels): p_j = exp2(... + p_offset), the probabilities times
+2^p_offset, so that P rounded to e4m3 for P V keeps e4m3's normal range (its subnormals
+start at 2^-6; FlashAttention-3's FP8 offset of 8); the sum carries the same factor, so
+O / sum is unchanged, and the LSE takes it out.
+
 Conditional rescaling (FlashAttention-4): with a `rescale_threshold` t, a row keeps its
 old max unless the new one exceeds it by more than t (in log2 units), and then o_scale
 is exactly 1. Exact: O and the sum share the stale max, and p <= 2^t stays finite in
@@ -34,21 +39,22 @@ def _quad_allreduce(x: Float32, op) -> Float32:
 
 class OnlineSoftmax:
     def __init__(self, scale_log2: Float32, row_max: cute.Tensor, row_sum: cute.Tensor,
-                 rescale_threshold: float | None = None):
+                 rescale_threshold: float | None = None, p_offset: float = 0.0):
         self.scale_log2 = scale_log2
         self.row_max = row_max
         self.row_sum = row_sum
         self.num_rows = cute.size(row_max)
         self.rescale_threshold = rescale_threshold
+        self.p_offset = p_offset
 
     @staticmethod
-    def create(scale_log2: Float32, num_rows: int,
-               rescale_threshold: float | None = None) -> "OnlineSoftmax":
+    def create(scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None,
+               p_offset: float = 0.0) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold)
+        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold, p_offset)
 
     # The DSL carries objects through dynamic control flow by their IR values.
     def __extract_mlir_values__(self):
@@ -56,7 +62,7 @@ class OnlineSoftmax:
 
     def __new_from_mlir_values__(self, values):
         parts = cutlass.new_from_mlir_values((self.scale_log2, self.row_max, self.row_sum), values)
-        return OnlineSoftmax(*parts, self.rescale_threshold)
+        return OnlineSoftmax(*parts, self.rescale_threshold, self.p_offset)
 
     @cute.jit
     def step(self, s_rc: cute.Tensor, o_scale: cute.Tensor):
@@ -74,6 +80,8 @@ class OnlineSoftmax:
                 m = cutlass.select_(keep, m_old, m)
             m_scaled = cutlass.select_(m == -Float32.inf, Float32(0.0), m * self.scale_log2)
             scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+            if cutlass.const_expr(self.p_offset != 0.0):
+                m_scaled = m_scaled - self.p_offset  # o_scale above is a ratio: unchanged
             if cutlass.const_expr(self.rescale_threshold is not None):
                 scale = cutlass.select_(keep, Float32(1.0), scale)
             o_scale[r] = scale
@@ -102,5 +110,6 @@ class OnlineSoftmax:
             empty = total == Float32(0.0)
             safe = cutlass.select_(empty, Float32(1.0), total)
             inv_sum[r] = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(safe))
-            log_sum = (self.row_max[r] * self.scale_log2 + cute.math.log2(safe, fastmath=True)) * LN2
+            log_sum = (self.row_max[r] * self.scale_log2 + cute.math.log2(safe, fastmath=True)
+                       - self.p_offset) * LN2
             lse[r] = cutlass.select_(empty, -Float32.inf, log_sum)

@@ -1,6 +1,8 @@
 """float8_e4m3fn q, k, v with descales (jax_fa4.attention): the dequantized problem's
-attention, out in out_dtype, forward only, and the refusals around it. No kernel takes
-float8 yet, so these run the reference on every platform."""
+attention, out in out_dtype, forward only, and the refusals around it. On this machine
+the reference runs (directly, or as the CPU branch of the per-platform path); the e4m3
+kernel's call is checked by lowering it for CUDA and its V layout against the wgmma
+fragments. tests/gpu/test_gpu_float8.py runs the kernels."""
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
+from jax_fa4 import _float8
 
 E4M3 = jnp.float8_e4m3fn
 B, SQ, SK, HQ, HKV, D = 2, 24, 40, 4, 2, 32
@@ -112,8 +115,6 @@ Q8, KV8 = sds(2, 16, 4, 64), sds(2, 24, 2, 64)
      r"out_dtype must be one of \('bfloat16', 'float16', 'float32'\); got"),
     (lambda: jax_fa4.attention(Q8, KV8, KV8, out_dtype="float8"),
      r"out_dtype must be one of"),
-    (lambda: jax_fa4.attention(Q8, KV8, KV8, implementation="cute"),
-     r"implementation='cute' takes bfloat16 or float16 inputs; got float8_e4m3fn"),
     (lambda: jax_fa4.attention_varlen(
         sds(16, 4, 64), sds(24, 2, 64), sds(24, 2, 64),
         cu_seqlens_q=sds(3, dtype=jnp.int32), cu_seqlens_k=sds(3, dtype=jnp.int32),
@@ -129,9 +130,71 @@ def test_float8_refusals(call, match):
         call()
 
 
-def test_float8_supports_says_the_reference_runs():
-    support = jax_fa4.supports(Q8, KV8, KV8, q_descale=sds(dtype=jnp.float32))
-    assert support == (False, "dtype float8_e4m3fn has no kernel; the kernels take "
-                       "bfloat16 or float16; implementation=None runs the pure-JAX "
-                       "reference (O(Sq * Sk) memory per head)")
+def test_float8_supports_names_the_kernel_and_what_runs_here(built):
+    ok, reason = support = jax_fa4.supports(Q8, KV8, KV8, q_descale=sds(dtype=jnp.float32))
+    assert not ok and reason.startswith("no Hopper (sm_90) GPU visible")
     assert support.path == "reference"
+    with pytest.raises(NotImplementedError, match="no Hopper"):
+        jax_fa4.attention(Q8, KV8, KV8, implementation="cute")
+    # Softcap has no e4m3 kernel.
+    assert "no compiled kernel for dtype=e4m3" in jax_fa4.supports(
+        Q8, KV8, KV8, softcap=30.0)[1]
+
+
+@pytest.mark.parametrize("causal,window,d", [(False, None, 64), (True, None, 128),
+                                             (False, (8, 4), 96)])
+def test_float8_kernel_call_lowers_for_cuda(built, causal, window, d):
+    q, qd = quantized(0, (B, SQ, HQ, d), [0.5, 4.0])
+    k, kd = quantized(1, (B, SK, HKV, d), 2.0)
+    fn = jax.jit(lambda q, k, qd, kd: jax_fa4.attention(
+        q, k, k, q_descale=qd, k_descale=kd, causal=causal, window=window))
+    text = fn.trace(q, k, qd, kd).lower(lowering_platforms=("cuda",)).as_text()
+    # The e4m3 target and no other kernel call.
+    assert text.count("jax_fa4_fwd_fp8") == text.count("jax_fa4_fwd") > 0
+    # The CPU branch of the same function is the dequantized reference (one bf16 ulp
+    # apart where XLA fuses its float32 math differently).
+    want = jax_fa4.attention(q, k, k, q_descale=qd, k_descale=kd, causal=causal,
+                             window=window, implementation="reference")
+    np.testing.assert_allclose(np.asarray(fn(q, k, qd, kd), np.float32),
+                               np.asarray(want, np.float32), rtol=2 ** -7, atol=1e-6)
+
+
+def _wgmma_key_order():
+    """For each A column k of an m64nNk32 e4m3 slice, the score column whose value a
+    thread puts there when it copies its accumulator values into its A registers in
+    order (PTX ISA, wgmma register fragments). Accumulator: the thread of quad index t
+    holds, per 8-column block j and row half r, columns 8 j + 2 t + {0, 1}, in the
+    order (pair, r, j). A: it holds values i = 0..15 at column 4 t + i % 4 + 16 (i // 8)
+    of row half (i // 4) % 2."""
+    order = {}
+    for t in range(4):
+        acc = [(8 * j + 2 * t + p, r) for j in range(4) for r in range(2) for p in range(2)]
+        slots = [(4 * t + i % 4 + 16 * (i // 8), (i // 4) % 2) for i in range(16)]
+        by_row = {r: [col for col, rr in acc if rr == r] for r in range(2)}
+        slot_rows = {r: [col for col, rr in slots if rr == r] for r in range(2)}
+        for r in range(2):
+            order.update(zip(slot_rows[r], by_row[r]))
+    return [order[k] for k in range(32)]
+
+
+def test_transposed_v_puts_keys_where_the_p_registers_meet_them():
+    order = _wgmma_key_order()
+    assert sorted(order) == list(range(32))
+    v = jax.random.normal(jax.random.key(3), (2, 70, 3, 16), jnp.float32)
+    vt = np.asarray(_float8.transposed_v(v))
+    assert vt.shape == (2, 3, 16, 96)
+    padded = np.concatenate([np.asarray(v), np.zeros((2, 26, 3, 16), np.float32)], axis=1)
+    keys = np.asarray([32 * n + order[k] for n in range(3) for k in range(32)])
+    np.testing.assert_array_equal(vt, padded[:, keys].transpose(0, 2, 3, 1))
+
+
+def test_float8_negative_or_nonfinite_descales_give_nan_heads():
+    q, _ = quantized(0, (B, SQ, HQ, D), 1.0)
+    k, _ = quantized(1, (B, SK, HKV, D), 1.0)
+    for kd in ([1.0, -2.0], [1.0, np.inf]):
+        out, lse = jax_fa4.attention(q, k, k, k_descale=jnp.asarray(kd, jnp.float32),
+                                     return_lse=True)
+        out, lse = np.asarray(out, np.float32), np.asarray(lse)
+        group = HQ // HKV
+        assert np.all(np.isfinite(out[:, :, :group])) and np.all(np.isnan(out[:, :, group:]))
+        assert np.all(np.isfinite(lse[:, :group])) and np.all(np.isnan(lse[:, group:]))
