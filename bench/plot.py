@@ -127,6 +127,35 @@ def tables(cells: dict) -> str:
     return "\n".join(out)
 
 
+def fp8_table(paths) -> str:
+    """README's float8 table: forward TFLOP/s of jax_fa4 on e4m3 inputs (jax_fa4_fp8),
+    jax_fa4 and cuDNN on bf16, per head dim, mask and sequence length of the runs in
+    `paths` (bench.run --backends jax_fa4,jax_fa4_fp8,jax_cudnn --passes fwd), and e4m3
+    over the faster bf16 one."""
+    cells = {}
+    for path in sorted(paths):
+        for line in pathlib.Path(path).read_text().splitlines():
+            r = json.loads(line)
+            if r.get("mode") == "fwd":
+                cells[(r["backend"], r["d"], bool(r["causal"]), r["s"])] = r["tflops"]
+    seqlens = sorted({s for (b, _, _, s) in cells if b == "jax_fa4_fp8"})
+    head_dims = sorted({d for (b, d, _, _) in cells if b == "jax_fa4_fp8"})
+    out = ["Forward, TFLOP/s as jax_fa4 e4m3 / jax_fa4 bf16 / cuDNN bf16, and e4m3 over the "
+           "faster bf16:", "", "| head_dim, mask | " + " | ".join(map(str, seqlens)) + " |",
+           "|---|" + "---|" * len(seqlens)]
+    for d in head_dims:
+        for causal in (False, True):
+            row = []
+            for s in seqlens:
+                got = [cells.get((b, d, causal, s)) for b in ("jax_fa4_fp8", "jax_fa4", "jax_cudnn")]
+                text = " / ".join("-" if x is None else f"{x:.0f}" for x in got)
+                best = max((x for x in got[1:] if x), default=None)
+                ratio = f"{got[0] / best:.2f}" if got[0] and best else "-"
+                row.append(f"{text} ({ratio})")
+            out.append(f"| {d}{' causal' if causal else ''} | " + " | ".join(row) + " |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=pathlib.Path, default=RESULTS,
@@ -134,7 +163,12 @@ def main():
     ap.add_argument("--out", type=pathlib.Path, default=OUT)
     ap.add_argument("--tables", action="store_true",
                     help="print README's markdown tables of the same cells instead")
+    ap.add_argument("--fp8-table", action="store_true",
+                    help="print README's float8 table from --results/fp8/*.jsonl instead")
     args = ap.parse_args()
+    if args.fp8_table:
+        print(fp8_table(sorted((args.results / "fp8").glob("*.jsonl"))))
+        return
     paths = sorted(args.results.glob("*.jsonl"))
     if not paths:
         ap.error(f"no *.jsonl in {args.results}")

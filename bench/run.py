@@ -206,7 +206,8 @@ def main():
                         for be in backends:
                             if mode == "bwd_det" and be not in DETERMINISTIC:
                                 continue
-                            rec = dict(backend=be, dtype=args.dtype, b=b, s=s, h=h, d=d, date=today,
+                            dt = "float8_e4m3fn" if be in FP8 else args.dtype
+                            rec = dict(backend=be, dtype=dt, b=b, s=s, h=h, d=d, date=today,
                                        causal=causal, mode=mode, timing=method, device=device,
                                        **({"h_kv": h_kv} if h_kv != h else {}),
                                        **({"window": args.window}

@@ -289,18 +289,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                    lse->typed_data()}) ||
       (split_kernel && !TmaAligned({out_part->typed_data(), lse_part->typed_data()})))
     return ffi::Error::InvalidArgument(where + ": buffers must be 16-byte aligned for TMA");
-  if (!IsLoaded(*p.kernel, device))
-    return ffi::Error::Internal(where + ": module not loaded onto device " +
-                                std::to_string(device) + " (initialize stage did not run)");
-
-  if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
-  auto num_sms = SmCount(where, device);
+  auto num_sms = PrepareForwardLaunch(where, *p.kernel, device, stream,
+                                      tile_counter->typed_data());
   if (num_sms.has_error()) return num_sms.error();
-  // A memset node under CUDA-graph capture, like the launch after it.
-  if (p.kernel->dynamic) {
-    cudaError_t e = cudaMemsetAsync(tile_counter->typed_data(), 0, sizeof(int32_t), stream);
-    if (e != cudaSuccess) return CudaError(where + ": zeroing the tile counter", e);
-  }
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   FwdArgs args{const_cast<void*>(q.untyped_data()),

@@ -152,6 +152,27 @@ inline ffi::Error MakeCurrent(const std::string& where, int32_t device) {
   return ffi::Error::Success();
 }
 
+// The forward handlers' last steps before a launch: the kernel must be loaded onto
+// `device` (by the initialize stage), which is made current; a "dynamic" kernel's tile
+// counter is zeroed on the stream (a memset node under CUDA-graph capture, like the
+// launch after it). Returns the device's SM count, which persistent kernels size their
+// grid by.
+inline ffi::ErrorOr<int32_t> PrepareForwardLaunch(const std::string& where,
+                                                  const FwdKernel& kernel, int32_t device,
+                                                  cudaStream_t stream, int32_t* tile_counter) {
+  if (!IsLoaded(kernel, device))
+    return ffi::Error::Internal(where + ": module not loaded onto device " +
+                                std::to_string(device) + " (initialize stage did not run)");
+  if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
+  auto num_sms = SmCount(where, device);
+  if (num_sms.has_error()) return num_sms.error();
+  if (kernel.dynamic) {
+    cudaError_t e = cudaMemsetAsync(tile_counter, 0, sizeof(int32_t), stream);
+    if (e != cudaSuccess) return CudaError(where + ": zeroing the tile counter", e);
+  }
+  return num_sms;
+}
+
 // A launch adapter's status (0 or a cudaError_t) and any launch error the wrapper did not
 // return, which cudaGetLastError reports.
 inline ffi::Error LaunchResult(const std::string& where, int32_t ret) {

@@ -61,3 +61,18 @@ def test_tables_show_each_backend_and_bold_only_a_5_percent_lead(plot):
     assert "| 128 | 630 / 600 / 500 (**1.05**) |" in text
     assert "| 128 | 500 / 450 / 480 / - (1.04) |" in text  # no FA4 cell: its column says -
     assert "| 128 causal | - / - / - (-) |" in text
+
+
+def test_fp8_table_holds_e4m3_against_the_faster_bf16(plot, tmp_path):
+    run = tmp_path / "2026-11-27-h100.jsonl"
+    run.write_text("\n".join([
+        _line(backend="jax_fa4_fp8", dtype="float8_e4m3fn", s=16384, b=1, tflops=900.0),
+        _line(s=16384, b=1, tflops=700.0),
+        _line(backend="jax_cudnn", s=16384, b=1, tflops=720.0),
+        _line(backend="jax_fa4_fp8", dtype="float8_e4m3fn", s=16384, b=1, causal=True,
+              mode="error", err="x"),
+    ]))
+    lines = plot.fp8_table([run]).splitlines()
+    assert lines[2] == "| head_dim, mask | 16384 |"
+    assert lines[4] == "| 128 | 900 / 700 / 720 (1.25) |"
+    assert lines[5] == "| 128 causal | - / - / - (-) |"

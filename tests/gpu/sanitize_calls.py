@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import _ffi_calls, _kernel_select, _split_kv
+from jax_fa4 import _ffi_calls, _float8, _kernel_select, _split_kv
 
 # Sq and Sk fill no tile or block of any kernel (tile_m 64..192, tile_n 64..128) and
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
@@ -47,7 +47,8 @@ PAGE, PAGES = 32, 10
 TOTAL_Q, TOTAL_K = 400, 600
 SOFTCAP = 5.0
 
-DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16}
+DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "e4m3": jnp.float8_e4m3fn}
+FLOAT8 = ("e4m3",)  # forwards through their own FFI target (jax_fa4/_float8.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,8 +191,9 @@ def function(call: Call, implementation):
 
 @contextlib.contextmanager
 def ffi_kernels():
-    """Collects (kind, kernel name) of each FFI call built meanwhile: `_ffi_calls` builds
-    them all, each from the spec that names its kernel."""
+    """Collects (kind, kernel name) of each FFI call built meanwhile: `_ffi_calls` (and
+    `_float8`, float8 forwards) builds them all, each from the spec that names its
+    kernel."""
     built = set()
 
     def recording(build, kind):
@@ -201,12 +203,13 @@ def ffi_kernels():
             return build(*args, spec=spec, **keywords)
         return wrapper
 
-    fwd, bwd = _ffi_calls.fwd, _ffi_calls.bwd
+    fwd, bwd, fp8 = _ffi_calls.fwd, _ffi_calls.bwd, _float8._kernel
     _ffi_calls.fwd, _ffi_calls.bwd = recording(fwd, "fwd"), recording(bwd, "bwd")
+    _float8._kernel = recording(fp8, "fwd")  # the float8 forward's own FFI call
     try:
         yield built
     finally:
-        _ffi_calls.fwd, _ffi_calls.bwd = fwd, bwd
+        _ffi_calls.fwd, _ffi_calls.bwd, _float8._kernel = fwd, bwd, fp8
 
 
 @contextlib.contextmanager
@@ -243,7 +246,8 @@ def lowering_problem(traced, call: Call) -> str:
     """'' when the call lowers for CUDA to one forward custom call (and one backward
     under jax.grad), else what it lowers to."""
     text = traced.lower(lowering_platforms=("cuda",)).as_text()
-    expected = {"jax_fa4_fwd": 1, "jax_fa4_bwd": int(call.deterministic is not None)}
+    fwd = "jax_fa4_fwd_fp8" if call.kernel["dtype"] in FLOAT8 else "jax_fa4_fwd"
+    expected = {fwd: 1, "jax_fa4_bwd": int(call.deterministic is not None)}
     found = {target: text.count(f"custom_call @{target}(") for target in expected}
     return "" if found == expected else f"lowers to custom calls {found}"
 
