@@ -108,6 +108,36 @@ def forward(spec: AttentionSpec, q, k, v, table):
 
 
 def _kernel(q, k, v, table, *, spec: AttentionSpec):
+    return _batchable(spec)(q, k, v, table)
+
+
+@functools.cache
+def _batchable(spec: AttentionSpec):
+    """The kernel call under vmap: vmapped axes of q, k, v fold into the batch (exact:
+    batch elements are independent) while the descale table is shared; a table that
+    varies along the vmapped axis runs one call per element (the kernel takes one
+    table per call)."""
+    @jax.custom_batching.custom_vmap
+    def call(q, k, v, table):
+        return _call(q, k, v, table, spec=spec)
+
+    @call.def_vmap
+    def fold(axis_size, in_batched, q, k, v, table):
+        if in_batched[3]:
+            results = jax.lax.map(lambda args: call(*args), (
+                *(x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                  for x, b in zip((q, k, v), in_batched[:3])), table))
+            return results, (True, True)
+        q, k, v = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                   for x, b in zip((q, k, v), in_batched[:3]))
+        out, lse = call(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, v)), table)
+        return ((out.reshape(axis_size, -1, *out.shape[1:]),
+                 lse.reshape(axis_size, -1, *lse.shape[1:])), (True, True))
+
+    return call
+
+
+def _call(q, k, v, table, *, spec: AttentionSpec):
     *lead, seqlen_q, heads, _ = q.shape
     dv = v.shape[-1]
     results = (jax.ShapeDtypeStruct((*lead, seqlen_q, heads, dv), jnp.bfloat16),
@@ -116,7 +146,7 @@ def _kernel(q, k, v, table, *, spec: AttentionSpec):
     attributes = {name: value for name, value in spec.ffi_attributes().items()
                   if name in ("banded", "softmax_scale", "window_left", "window_right",
                               "top_left")}
-    call = jax.ffi.ffi_call(TARGET, results, vmap_method="broadcast_all")
+    call = jax.ffi.ffi_call(TARGET, results)
     out, lse, _counter = call(q, k, transposed_v(v), table, **attributes)
     return vary_like((q, k, v), (out, lse))
 

@@ -4,6 +4,8 @@ the reference runs (directly, or as the CPU branch of the per-platform path); th
 kernel's call is checked by lowering it for CUDA and its V layout against the wgmma
 fragments. tests/gpu/test_gpu_float8.py runs the kernels."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,3 +200,31 @@ def test_float8_negative_or_nonfinite_descales_give_nan_heads():
         group = HQ // HKV
         assert np.all(np.isfinite(out[:, :, :group])) and np.all(np.isnan(out[:, :, group:]))
         assert np.all(np.isfinite(lse[:, :group])) and np.all(np.isnan(lse[:, group:]))
+
+
+@pytest.mark.parametrize("descales_batched", [False, True])
+def test_float8_kernel_call_under_vmap(built, descales_batched):
+    """vmap folds its axis into the kernel's batch when the descales are shared, and
+    runs one call per element when they are not (the kernel takes one table); the CPU
+    branch agrees with per-slice calls."""
+    q, _ = quantized(0, (3, B, SQ, HQ, D), 1.0)
+    k, _ = quantized(1, (3, B, SK, HKV, D), 1.0)
+    kd = jnp.asarray([[0.5, 2.0], [1.0, 1.0], [3.0, 0.25]], jnp.float32)
+
+    def f(q, k, kd):
+        return jax_fa4.attention(q, k, k, k_descale=kd, causal=True)
+
+    in_axes = (0, 0, 0 if descales_batched else None)
+    kd_in = kd if descales_batched else kd[0]
+    fn = jax.jit(jax.vmap(f, in_axes=in_axes))
+    text = fn.trace(q, k, kd_in).lower(lowering_platforms=("cuda",)).as_text()
+    assert text.count("jax_fa4_fwd_fp8") == 1
+    # Folded: one call over 3 * B (q zero-padded to the kernel's head dim); per element:
+    # one call of B inside a loop.
+    folded = re.search(rf"tensor<{3 * B}x{SQ}x{HQ}x\d+xf8E4M3FN>", text)
+    assert bool(folded) != descales_batched
+    got = np.asarray(fn(q, k, kd_in), np.float32)
+    for i in range(3):
+        want = f(q[i], k[i], kd[i] if descales_batched else kd[0])
+        np.testing.assert_allclose(got[i], np.asarray(want, np.float32), rtol=2 ** -7,
+                                   atol=1e-6)
