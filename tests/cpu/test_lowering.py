@@ -197,6 +197,7 @@ def test_import_registers_once(monkeypatch):
         # Without a CUDA backend, XLA queues CUDA registrations until one appears.
         pending = [entry[0] for entry in xla_client._custom_callback.get("CUDA", [])]
         assert pending.count("jax_fa4_fwd") == 1
+        assert pending.count("jax_fa4_fwd_fp8") == 1
         assert pending.count("jax_fa4_bwd") == 1
 
 
@@ -204,8 +205,10 @@ def test_import_registers_once(monkeypatch):
 def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     kinds = [entry["kind"] for entry in expected_manifest]
-    # 40 split forwards, 24 paged ones (segment variants, head dims 64, 128, 256)
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (114, 50)
+    # 40 split forwards, 24 paged ones (segment variants, head dims 64, 128, 256), 6
+    # float8 ones (head dims 64, 128, 256, full and banded)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (120, 50)
+    assert sum(entry["dtype"] == "e4m3" for entry in expected_manifest) == 6
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):
