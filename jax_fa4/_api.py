@@ -77,8 +77,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         run the reference on the dequantized inputs in float32 (with a warning on a GPU),
         as does every call without a GPU. A K/V head whose q and k descales multiply to
         a negative number, or with a descale that is not finite, gives NaN out and lse.
-        The float8 kernel call has no partitioning rule yet: under a jit over sharded
-        inputs XLA gathers its operands (inside shard_map it runs per shard).
+        Under a sharded jit it partitions over batch and heads; a sharded sequence is
+        refused (no float8 ring yet).
         Descales and out_dtype are refused with other dtypes, other float8 formats
         everywhere, and float8 by attention_varlen and paged_attention.
     deterministic: static bool, for the backward kernel: False (default) accumulates dq

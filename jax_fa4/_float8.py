@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jax_fa4 import _sharding
 from jax_fa4._reference import reference_attention
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
@@ -97,9 +98,31 @@ def transposed_v(v):
 
 def forward(spec: AttentionSpec, q, k, v, table):
     """(out bf16 (B, Sq, H, Dv), lse (B, H, Sq)) of the float8 call on the kernel paths
-    ("platform": the kernel where lowered for CUDA, the reference elsewhere); `table`
-    from descale_table."""
-    q, k, v = (_forward_only(x) for x in (q, k, v))
+    ("platform": the kernel where lowered for CUDA, the reference elsewhere), partitioned
+    over batch and heads under a sharded jit (_sharding.FLOAT8); `table` from
+    descale_table."""
+    return _forward(spec, q, k, v, table)
+
+
+# Forward only, as a whole: autodiff must not reach the partitioned and batched call
+# inside, which has no derivative rules of its own.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _forward(spec: AttentionSpec, q, k, v, table):
+    return _batchable(spec)(q, k, v, table)
+
+
+def _forward_fwd(spec, q, k, v, table):
+    return _forward(spec, q, k, v, table), None
+
+
+def _forward_bwd(spec, residuals, cotangents):
+    _forward_only_bwd(residuals, cotangents)
+
+
+_forward.defvjp(_forward_fwd, _forward_bwd)
+
+
+def _on_shard(spec: AttentionSpec, q, k, v, table):
     kernel = functools.partial(_kernel, spec=spec)
     if spec.path == "platform":
         reference = functools.partial(_reference, spec=spec)
@@ -107,19 +130,18 @@ def forward(spec: AttentionSpec, q, k, v, table):
     return kernel(q, k, v, table)
 
 
-def _kernel(q, k, v, table, *, spec: AttentionSpec):
-    return _batchable(spec)(q, k, v, table)
+_sharded = _sharding.sharded(_on_shard, _sharding.FLOAT8, None)
 
 
 @functools.cache
 def _batchable(spec: AttentionSpec):
-    """The kernel call under vmap: vmapped axes of q, k, v fold into the batch (exact:
-    batch elements are independent) while the descale table is shared; a table that
-    varies along the vmapped axis runs one call per element (the kernel takes one
-    table per call)."""
+    """The call under vmap: vmapped axes of q, k, v fold into the batch (exact: batch
+    elements are independent) while the descale table is shared; a table that varies
+    along the vmapped axis runs one call per element (the kernel takes one table per
+    call). A rule of its own: _sharding's folds the first axis of every operand."""
     @jax.custom_batching.custom_vmap
     def call(q, k, v, table):
-        return _call(q, k, v, table, spec=spec)
+        return _sharded(spec)(q, k, v, table)
 
     @call.def_vmap
     def fold(axis_size, in_batched, q, k, v, table):
@@ -137,7 +159,7 @@ def _batchable(spec: AttentionSpec):
     return call
 
 
-def _call(q, k, v, table, *, spec: AttentionSpec):
+def _kernel(q, k, v, table, *, spec: AttentionSpec):
     *lead, seqlen_q, heads, _ = q.shape
     dv = v.shape[-1]
     results = (jax.ShapeDtypeStruct((*lead, seqlen_q, heads, dv), jnp.bfloat16),

@@ -57,6 +57,10 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
                      "b {hq} sq -> b sq {hq} d, b sk h d, b sk h e")
 
 
+# The float8 forward (jax_fa4/_float8.py): its descale table (3, Hkv) follows k's heads.
+FLOAT8 = Signature(("q", "k", "v", "descale"), ("out", "lse"),
+                   "b sq {hq} d, b sk h d, b sk h e, t h -> b sq {hq} e, b {hq} sq")
+
 # The reference path's identity: the forward's operands, each to itself.
 GUARD = Signature(FORWARD.operands, FORWARD.operands,
                   " -> ".join([FORWARD.rule.split(" -> ")[0]] * 2))
@@ -152,6 +156,8 @@ def _guard_jvp(spec, primals, tangents):
 
 
 def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
+    if name == "descale":
+        return PartitionSpec(None, heads)
     if name in ("lse", "dlse"):
         return PartitionSpec(batch, heads, seq)
     if name == "rows":
@@ -171,6 +177,8 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
+        if name == "descale":  # (3, Hkv): its heads follow k's (the rule)
+            continue
         dims = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
         if name not in _SEQ_AXIS and dims[3] is not None:
             raise NotImplementedError(
@@ -184,6 +192,11 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
+    if seq is not None and "descale" in signature.operands:
+        raise NotImplementedError(
+            f"jax_fa4.attention: float8 attention has no ring yet, so it is not "
+            f"partitioned over a sequence sharded along {seq!r}: XLA would gather K/V on "
+            "every device. Shard batch or heads.")
     if seq is not None and not ring:
         reason = (_kernel_select.kernel_support(spec)[1]
                   or "implementation='reference', or a GPU the kernels do not run on")

@@ -637,3 +637,37 @@ def test_causal_varlen_ring_runs_in_zigzag_halves(built, mesh):
     assert_segment_ring(jax.jit(fwd, in_shardings=(packed,) * 3), ref,
                         jax.jit(out_and_lse_loss(fwd), in_shardings=(packed,) * 4),
                         out_and_lse_loss(ref), (q, k, v, dout), (chunk, chunk), spec, True)
+
+
+@pytest.mark.parametrize("spec", [P("data", None, "model", None), P(None, None, "model", None)],
+                         ids=["batch+heads", "heads"])
+def test_float8_partitions_over_batch_and_heads(built, mesh, spec):
+    """The float8 call (jax_fa4/_float8.py) under a sharded jit: each device runs its
+    batch and head shard, its per-K/V-head descales sharded with k's heads; no
+    collectives, and the unsharded result."""
+    q, k, v, _ = inputs(h=8, dtype=jnp.float8_e4m3fn)
+    kd = jnp.linspace(0.5, 2.0, 8, dtype=jnp.float32)
+    shard = NamedSharding(mesh, spec)
+    heads = NamedSharding(mesh, P(spec[2]))
+
+    def f(q, k, v, kd):
+        return jax_fa4.attention(q, k, v, k_descale=kd, causal=True, return_lse=True)
+
+    planned = _api._plan(q, k, v, causal=True, softmax_scale=None, return_lse=True,
+                         implementation=None, descales={"k_descale": kd})
+    assert planned.path == "platform", planned
+    fwd = jax.jit(f, in_shardings=(shard,) * 3 + (heads,))
+    text = compiled_text(fwd, q, k, v, kd)
+    assert not COLLECTIVES.findall(text), COLLECTIVES.findall(text)
+    out, lse = fwd(q, k, v, kd)
+    ref_out, ref_lse = jax.jit(f)(q, k, v, kd)
+    assert_same(out, ref_out)
+    assert_same(lse, ref_lse)
+
+
+def test_float8_refuses_a_sharded_sequence(built, mesh):
+    q, k, v, _ = inputs(dtype=jnp.float8_e4m3fn)
+    shard = NamedSharding(mesh, P(None, "model", None, None))
+    fwd = jax.jit(jax_fa4.attention, in_shardings=(shard,) * 3)
+    with pytest.raises(Exception, match="float8 attention has no ring yet"):
+        fwd.lower(q, k, v).compile()
