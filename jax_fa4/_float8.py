@@ -80,8 +80,7 @@ def undefined_heads(out, lse, table):
     or a descale that is not finite (both paths)."""
     bad = (table[0] * table[1] < 0) | ~jnp.all(jnp.isfinite(table), axis=0)
     bad = jnp.repeat(bad, out.shape[-2] // table.shape[1])
-    out = jnp.where(bad[:, None], jnp.nan, out)
-    return out, None if lse is None else jnp.where(bad[:, None], jnp.nan, lse)
+    return jnp.where(bad[:, None], jnp.nan, out), jnp.where(bad[:, None], jnp.nan, lse)
 
 
 def transposed_v(v):
@@ -96,30 +95,25 @@ def transposed_v(v):
     return v.reshape(batch, heads_kv, dv, padded)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def forward(spec: AttentionSpec, q, k, v, table):
     """(out bf16 (B, Sq, H, Dv), lse (B, H, Sq)) of the float8 call on the kernel paths
     ("platform": the kernel where lowered for CUDA, the reference elsewhere), partitioned
     over batch and heads under a sharded jit (_sharding.FLOAT8); `table` from
-    descale_table."""
-    return _forward(spec, q, k, v, table)
-
-
-# Forward only, as a whole: autodiff must not reach the partitioned and batched call
-# inside, which has no derivative rules of its own.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _forward(spec: AttentionSpec, q, k, v, table):
+    descale_table. Forward only as a whole: autodiff must not reach the partitioned and
+    batched call inside, which has no derivative rules of its own."""
     return _batchable(spec)(q, k, v, table)
 
 
 def _forward_fwd(spec, q, k, v, table):
-    return _forward(spec, q, k, v, table), None
+    return forward(spec, q, k, v, table), None
 
 
 def _forward_bwd(spec, residuals, cotangents):
     _forward_only_bwd(residuals, cotangents)
 
 
-_forward.defvjp(_forward_fwd, _forward_bwd)
+forward.defvjp(_forward_fwd, _forward_bwd)
 
 
 def _on_shard(spec: AttentionSpec, q, k, v, table):

@@ -48,6 +48,9 @@ class Signature:
     operands: tuple[str, ...]
     results: tuple[str, ...]
     rule: str
+    # Why a call of this signature without a ring refuses a sharded sequence; empty: it
+    # runs the pure-JAX reference (the default reason).
+    no_ring: str = ""
 
 
 FORWARD = Signature(("q", "k", "v"), ("out", "lse"),
@@ -59,7 +62,8 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
 
 # The float8 forward (jax_fa4/_float8.py): its descale table (3, Hkv) follows k's heads.
 FLOAT8 = Signature(("q", "k", "v", "descale"), ("out", "lse"),
-                   "b sq {hq} d, b sk h d, b sk h e, t h -> b sq {hq} e, b {hq} sq")
+                   "b sq {hq} d, b sk h d, b sk h e, t h -> b sq {hq} e, b {hq} sq",
+                   no_ring="float8 attention has no ring yet")
 
 # The reference path's identity: the forward's operands, each to itself.
 GUARD = Signature(FORWARD.operands, FORWARD.operands,
@@ -177,7 +181,7 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
-        if name == "descale":  # (3, Hkv): its heads follow k's (the rule)
+        if name == "descale":  # (3, Hkv): no sequence or head_dim; its heads follow k's
             continue
         dims = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
         if name not in _SEQ_AXIS and dims[3] is not None:
@@ -192,11 +196,11 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
                 f"({arg.sharding.spec}) and q {'is not' if seq is None else 'differently'} "
                 f"({arg_shapes[0].sharding.spec}); ring attention needs q, k and v sharded "
                 "along their sequence over the same mesh axes.")
-    if seq is not None and "descale" in signature.operands:
+    if seq is not None and not ring and signature.no_ring:
         raise NotImplementedError(
-            f"jax_fa4.attention: float8 attention has no ring yet, so it is not "
-            f"partitioned over a sequence sharded along {seq!r}: XLA would gather K/V on "
-            "every device. Shard batch or heads.")
+            f"jax_fa4.attention: {signature.no_ring}, so it is not partitioned over a "
+            f"sequence sharded along {seq!r}: XLA would gather K/V on every device. Shard "
+            "batch or heads.")
     if seq is not None and not ring:
         reason = (_kernel_select.kernel_support(spec)[1]
                   or "implementation='reference', or a GPU the kernels do not run on")
