@@ -173,3 +173,23 @@ def _assert_rule(fa, out, out_ref, out_lp, lse, lse_ref):
     # at K = 128 on the H100: 2.4e-4 of max|result|): 2e-4 to 4e-4 of lse measured at
     # d128; a wrong scale or a lost key moves lse by far more.
     assert lse_err <= LSE_RTOL * scale, f"max|lse - ref| = {lse_err:.3e}"
+
+
+@pytest.mark.parametrize("descales_batched", [False, True], ids=["shared", "per_element"])
+def test_float8_kernel_under_vmap_matches_per_slice_calls(descales_batched):
+    """vmap runs the kernel (folded into the batch, or one call per element when the
+    descales vary) and gives each element exactly what a call on that element gives."""
+    q = quantized(11, (6, 200, 4, 128), 1.0)[0].reshape(3, 2, 200, 4, 128)
+    k = quantized(12, (6, 300, 2, 128), 1.0)[0].reshape(3, 2, 300, 2, 128)
+    kd = jnp.asarray([[0.5, 2.0], [1.0, 1.0], [3.0, 0.25]], jnp.float32)
+
+    def f(q, k, kd):
+        return jax_fa4.attention(q, k, k, k_descale=kd, causal=True)
+
+    kd_in = kd if descales_batched else kd[0]
+    fn = jax.jit(jax.vmap(f, in_axes=(0, 0, 0 if descales_batched else None)))
+    assert "jax_fa4_fwd_fp8" in fn.lower(q, k, kd_in).as_text()
+    got = np.asarray(fn(q, k, kd_in), np.float32)
+    for i in range(3):
+        want = jax.jit(f)(q[i], k[i], kd[i] if descales_batched else kd[0])
+        assert np.array_equal(got[i], np.asarray(want, np.float32))
