@@ -15,6 +15,9 @@ jax_fa4_lengths is jax_fa4 with kv_lengths of the whole rows (forward only), the
 cache to hold the paged one against: same kernel family, K and V contiguous. Backends in
 FP8 take q, k, v in float8_e4m3fn (bench/run.py casts them before timing; descales 1),
 forward only: jax_fa4_fp8, the e4m3 kernels (its V transpose is part of the call).
+Backends in KV_FP8 take k and v in float8_e4m3fn with q in bfloat16 (a float8 KV cache;
+descales 1), forward only: jax_fa4_kv8, `attention`, and jax_fa4_paged_kv8, the paged
+cache.
 """
 
 import jax
@@ -98,8 +101,9 @@ def _jax_fa4_lengths(causal, window_left=None, softcap=None, documents=None):
 
 
 def _jax_fa4_fp8(causal, window_left=None, softcap=None, documents=None):
+    """attention on float8 inputs (jax_fa4_fp8: q, k, v; jax_fa4_kv8: k and v)."""
     if softcap is not None or documents:
-        raise NotImplementedError("jax_fa4_fp8 has no softcap or documents")
+        raise NotImplementedError("the float8 backends have no softcap or documents")
     window = None if window_left is None else (window_left, None)
 
     def attend(q, k, v):
@@ -141,9 +145,12 @@ BACKENDS = {
     "jax_fa4_paged": _jax_fa4_paged,
     "jax_fa4_lengths": _jax_fa4_lengths,
     "jax_fa4_fp8": _jax_fa4_fp8,
+    "jax_fa4_kv8": _jax_fa4_fp8,
+    "jax_fa4_paged_kv8": _jax_fa4_paged,
     "jax_cudnn": _jax_nn("cudnn"),
     "jax_xla": _jax_nn("xla"),
 }
 DETERMINISTIC = ("jax_fa4", "jax_fa4_varlen")
-PAGED = ("jax_fa4_paged",)
+PAGED = ("jax_fa4_paged", "jax_fa4_paged_kv8")
 FP8 = ("jax_fa4_fp8",)
+KV_FP8 = ("jax_fa4_kv8", "jax_fa4_paged_kv8")

@@ -16,6 +16,10 @@
     python -m bench.run --hdims 128 --seqlens 512 --kernels   # and each kernel's time
     python -m bench.run --hdims 128,256 --passes fwd --backends jax_fa4,jax_fa4_fp8,jax_cudnn
                                                           # float8 (e4m3) forward
+    python -m bench.run --hdims 128 --seqlens 131072 --seqlen-q 1 --batch 1 --heads 32 \
+        --heads-kv 8 --causal false --page-size 64 --passes fwd \
+        --backends jax_fa4,jax_fa4_kv8,jax_fa4_paged,jax_fa4_paged_kv8,jax_cudnn
+                                                          # float8 KV cache decode
 
 Shapes follow ../shared/anchors: 16k tokens per batch (batch = 16384 / seqlen), hidden
 2048 (heads = 2048 / head_dim). Every backend runs in this process and is timed on the
@@ -37,7 +41,7 @@ import pathlib
 import jax
 import jax.numpy as jnp
 
-from bench.backends import BACKENDS, DETERMINISTIC, FP8, PAGED
+from bench.backends import BACKENDS, DETERMINISTIC, FP8, KV_FP8, PAGED
 from bench.flops import attention_flops
 from bench.timing import kernel_times, make_timer
 
@@ -86,6 +90,10 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
         if mode != "fwd":
             raise NotImplementedError(f"{backend} is forward only")
         q, k, v = (x.astype(jnp.float8_e4m3fn) for x in (q, k, v))
+    if backend in KV_FP8:
+        if mode != "fwd":
+            raise NotImplementedError(f"{backend} is forward only")
+        k, v = (x.astype(jnp.float8_e4m3fn) for x in (k, v))
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         call, args = attn, (q, k, v)

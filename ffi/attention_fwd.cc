@@ -27,7 +27,9 @@
 // more operands after it, new_k and new_v (..., Snew, Hkv, D / Dv), are rows the kernel
 // appends to the caches at each batch's last Snew keys before attending; the call then
 // has two more results, the caches, which XLA aliases to k and v (the kernel writes
-// them in place).
+// them in place). kv_float8 (bool): k and v (and new_k, new_v) are float8_e4m3fn with a
+// bf16 q and out (the split kernels' float8 KV variants), and the last operand is the
+// descale table (3, Hkv) float32: 1, then k's and v's descale of each K/V head.
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
@@ -63,9 +65,10 @@ struct FwdProblem {
   int64_t num_pages = 0, page_size = 0, max_pages = 0;
 };
 
-// The page table's entries per batch (its last dimension); 0 without one.
-ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest) {
-  if (rest.size() != kPagedOperands && rest.size() != kAppendOperands) return int64_t{0};
+// The page table's entries per batch (its last dimension); 0 without one. `given`: the
+// operands after v before the descales.
+ffi::ErrorOr<int64_t> MaxPages(const ffi::RemainingArgs& rest, size_t given) {
+  if (given != kPagedOperands && given != kAppendOperands) return int64_t{0};
   auto table = rest.get<ffi::AnyBuffer>(kPagedOperands - 1);
   if (table.has_error()) return table.error();
   auto dims = table->dimensions();
@@ -85,11 +88,11 @@ struct Appended {
 // A paged call's new rows (operands after the page table) and its two results, the
 // caches, which must alias k and v; none without them.
 ffi::ErrorOr<Appended> ReadAppended(const std::string& where, const ffi::RemainingArgs& rest,
-                                    const ffi::RemainingRets& caches, const ffi::AnyBuffer& q,
+                                    size_t given, const ffi::RemainingRets& caches,
                                     const ffi::AnyBuffer& k, const ffi::AnyBuffer& v,
                                     const FwdProblem& p) {
   Appended a;
-  if (rest.size() != kAppendOperands) {
+  if (given != kAppendOperands) {
     if (caches.size() != 0)
       return ffi::Error::InvalidArgument(where + ": cache results without new rows");
     return a;
@@ -100,8 +103,8 @@ ffi::ErrorOr<Appended> ReadAppended(const std::string& where, const ffi::Remaini
   if (new_v.has_error()) return new_v.error();
   auto kd = new_k->dimensions(), vd = new_v->dimensions();
   const size_t r = kd.size();
-  bool ok = r >= 3 && vd.size() == r && new_k->element_type() == q.element_type() &&
-            new_v->element_type() == q.element_type() && kd[r - 2] == p.heads_kv &&
+  bool ok = r >= 3 && vd.size() == r && new_k->element_type() == k.element_type() &&
+            new_v->element_type() == k.element_type() && kd[r - 2] == p.heads_kv &&
             vd[r - 2] == p.heads_kv && kd[r - 1] == p.head_dim && vd[r - 1] == p.head_dim_v &&
             kd[r - 3] == vd[r - 3];
   int64_t batch = 1;
@@ -111,7 +114,7 @@ ffi::ErrorOr<Appended> ReadAppended(const std::string& where, const ffi::Remaini
   }
   if (!ok || batch != p.batch || kd[r - 3] > kInt32Max)
     return ffi::Error::InvalidArgument(
-        where + ": new rows must be (..., S, Hkv, D) and (..., S, Hkv, Dv) in q's dtype, "
+        where + ": new rows must be (..., S, Hkv, D) and (..., S, Hkv, Dv) in k's dtype, "
                 "batch " + std::to_string(p.batch) + "; got " + Dims(kd) + " and " + Dims(vd));
   if (caches.size() != 2)
     return ffi::Error::InvalidArgument(where + ": appending needs the two caches as results");
@@ -132,7 +135,7 @@ ffi::ErrorOr<Appended> ReadAppended(const std::string& where, const ffi::Remaini
 ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                 const ffi::AnyBuffer& v, bool banded, float softcap,
                                 bool segments, bool split, int32_t num_splits,
-                                int64_t max_pages) {
+                                int64_t max_pages, bool kv_float8) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
   const bool paged = max_pages > 0;
@@ -168,11 +171,18 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   if (!GroupsHeads(p.heads, p.heads_kv))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: the heads of k and v must divide the "
                                        "heads of q: " + shapes);
-  if (q.element_type() != k.element_type() || q.element_type() != v.element_type())
-    return ffi::Error::InvalidArgument("jax_fa4_fwd: q, k, v dtypes differ: " + shapes);
+  if (k.element_type() != v.element_type() ||
+      (kv_float8 ? k.element_type() != ffi::DataType::F8E4M3FN ||
+                       q.element_type() != ffi::DataType::BF16
+                 : q.element_type() != k.element_type()))
+    return ffi::Error::InvalidArgument(
+        std::string("jax_fa4_fwd: ") +
+        (kv_float8 ? "kv_float8 needs q in bf16 and k, v in float8_e4m3fn: "
+                   : "q, k, v dtypes differ: ") + shapes);
   const std::optional<Dtype> dtype = KernelDtype(q.element_type());
   if (!dtype)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: dtype must be bf16 or fp16: " + shapes);
+  const Dtype kv_dtype = kv_float8 ? Dtype::kE4M3 : *dtype;
   if (!ValidSoftcap(softcap, banded))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: softcap must be finite and >= 0, and "
                                        "> 0 only with the banded kernel");
@@ -182,11 +192,13 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        std::to_string(kMaxSplits) +
                                        "], > 1 only with split_kernel, which needs the "
                                        "banded kernel");
-  p.kernel = FindFwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
-                           banded, softcap > 0.0f, segments, split, paged);
+  p.kernel = FindFwdKernel(*dtype, kv_dtype, static_cast<int>(p.head_dim),
+                           static_cast<int>(p.head_dim_v), banded, softcap > 0.0f, segments,
+                           split, paged);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
-                                       DtypeName(*dtype) + ", head_dim " +
+                                       DtypeName(*dtype) +
+                                       (kv_float8 ? " with e4m3 k, v" : "") + ", head_dim " +
                                        HeadDims(p.head_dim, p.head_dim_v) +
                                        (banded ? ", banded" : ", full") +
                                        (softcap > 0.0f ? ", softcap" : "") +
@@ -201,11 +213,14 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                          bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          bool split_kernel, int32_t num_splits,
-                         int32_t /*unpack_group*/, bool /*q_heads_as_rows*/) {
-  auto max_pages = MaxPages(segments);
+                         int32_t /*unpack_group*/, bool /*q_heads_as_rows*/, bool kv_float8) {
+  if (kv_float8 && segments.size() == 0)
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: kv_float8 needs the descale operand");
+  const size_t given = segments.size() - (kv_float8 ? 1 : 0);
+  auto max_pages = MaxPages(segments, given);
   if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, banded, softcap, segments.size() > 0, split_kernel,
-                        num_splits, *max_pages);
+  auto problem = Select(q, k, v, banded, softcap, given > 0, split_kernel, num_splits,
+                        *max_pages, kv_float8);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -219,11 +234,15 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       ffi::RemainingRets caches, bool banded,
                       float softmax_scale, int32_t window_left, int32_t window_right,
                       bool top_left, float softcap, bool split_kernel,
-                      int32_t num_splits, int32_t unpack_group, bool q_heads_as_rows) {
-  auto max_pages = MaxPages(segment_args);
+                      int32_t num_splits, int32_t unpack_group, bool q_heads_as_rows,
+                      bool kv_float8) {
+  if (kv_float8 && segment_args.size() == 0)
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: kv_float8 needs the descale operand");
+  const size_t given = segment_args.size() - (kv_float8 ? 1 : 0);
+  auto max_pages = MaxPages(segment_args, given);
   if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, banded, softcap, segment_args.size() > 0, split_kernel,
-                        num_splits, *max_pages);
+  auto problem = Select(q, k, v, banded, softcap, given > 0, split_kernel, num_splits,
+                        *max_pages, kv_float8);
   if (problem.has_error()) return problem.error();
   FwdProblem p = *problem;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
@@ -247,7 +266,8 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const int64_t key_blocks = (p.seqlen_k + p.kernel->tile_n - 1) / p.kernel->tile_n;
   const bool paged = p.max_pages > 0;
   auto segments = ReadSegments(where, segment_args, p.batch, p.seqlen_q, p.seqlen_k, q_tiles,
-                               1 + key_blocks, paged ? segment_args.size() - kSegmentOperands : 0);
+                               1 + key_blocks, paged ? given - kSegmentOperands : 0,
+                               given < segment_args.size() ? 1 : 0);
   if (segments.has_error()) return segments.error();
   void* page_table = nullptr;
   if (paged) {
@@ -258,8 +278,18 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                          std::to_string(p.max_pages) + " entries per batch");
     page_table = table->untyped_data();
   }
-  auto appended = ReadAppended(where, segment_args, caches, q, k, v, p);
+  auto appended = ReadAppended(where, segment_args, given, caches, k, v, p);
   if (appended.has_error()) return appended.error();
+  void* descale = nullptr;
+  if (kv_float8) {
+    auto table = segment_args.get<ffi::AnyBuffer>(given);
+    if (table.has_error()) return table.error();
+    if (table->element_type() != ffi::DataType::F32 ||
+        static_cast<int64_t>(table->element_count()) != 3 * p.heads_kv)
+      return ffi::Error::InvalidArgument(where + ": the descale table must be float32 (3, " +
+                                         std::to_string(p.heads_kv) + ")");
+    descale = table->untyped_data();
+  }
 
   const int64_t out_count = p.batch * p.seqlen_q * p.heads * p.head_dim_v;
   const int64_t lse_count = p.batch * p.heads * p.seqlen_q;
@@ -323,6 +353,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   args.new_k = appended->k;
   args.new_v = appended->v;
   args.new_rows = static_cast<int32_t>(appended->rows);
+  args.descale = descale;
   segments->Into(args);
   return LaunchResult(where, p.kernel->launch(args, stream));
 }
@@ -347,7 +378,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Attr<bool>("split_kernel")     // selects the kernel
                                   .Attr<int32_t>("num_splits")    // checked
                                   .Attr<int32_t>("unpack_group")     // unused here
-                                  .Attr<bool>("q_heads_as_rows"));   // unused here
+                                  .Attr<bool>("q_heads_as_rows")     // unused here
+                                  .Attr<bool>("kv_float8"));         // selects the kernel
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -357,7 +389,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Arg<ffi::AnyBuffer>()      // k (..., Sk, H, D)
                                   .Arg<ffi::AnyBuffer>()      // v (..., Sk, H, D)
                                   .RemainingArgs()            // segments: rows, keys, plan
-                                                              // (+ page table: paged)
+                                                              // (+ page table: paged;
+                                                              // + descale: kv_float8)
                                   .Ret<ffi::AnyBuffer>()      // out (..., Sq, H, D)
                                   .Ret<ffi::Buffer<ffi::F32>>()  // lse (..., H, Sq)
                                   .Ret<ffi::Buffer<ffi::S32>>()  // tile counter (1,)
@@ -373,5 +406,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Attr<bool>("split_kernel")
                                   .Attr<int32_t>("num_splits")
                                   .Attr<int32_t>("unpack_group")
-                                  .Attr<bool>("q_heads_as_rows"),
+                                  .Attr<bool>("q_heads_as_rows")
+                                  .Attr<bool>("kv_float8"),
                               {ffi::Traits::kCmdBufferCompatible});

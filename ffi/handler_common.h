@@ -203,18 +203,21 @@ struct Segments {
 
 // `tiles` and `len` are what the kernel's tile sizes require of the plan; a mismatch is
 // an error, since the kernel indexes the plan with them.
-// `extra` more operands may follow them (the forward's page table).
+// `extra` more operands may follow them (the forward's page table), and after those
+// `trailing` ones that are not counted here (the forward's descales).
 inline ffi::ErrorOr<Segments> ReadSegments(const std::string& handler,
                                            const ffi::RemainingArgs& rest, int64_t batch,
                                            int64_t seqlen_q, int64_t seqlen_k, int64_t tiles,
-                                           int64_t len, size_t extra = 0) {
+                                           int64_t len, size_t extra = 0,
+                                           size_t trailing = 0) {
   Segments s;
-  if (rest.size() == 0) return s;
-  if (rest.size() != 3 + extra)
+  const size_t given = rest.size() - trailing;
+  if (given == 0) return s;
+  if (given != 3 + extra)
     return ffi::Error::InvalidArgument(handler + ": expected 0 or " + std::to_string(3 + extra) +
                                        " operands after the fixed ones (rows, keys, plan" +
                                        (extra ? ", page table" : "") + "); got " +
-                                       std::to_string(rest.size()));
+                                       std::to_string(given));
   const char* names[] = {"rows", "keys", "plan"};
   const int64_t counts[] = {batch * 3 * seqlen_q, batch * seqlen_k, batch * tiles * len};
   const int64_t lasts[] = {seqlen_q, seqlen_k, len};

@@ -75,6 +75,8 @@ struct FwdArgs {
   void* new_k;
   void* new_v;
   int32_t new_rows = 0;
+  // float8 (kE4M3) kernels, and kernels whose kv_dtype alone is kE4M3 (k, v and new_k,
+  // new_v in e4m3; descale's q row is 1, v not transposed): descale as below.
   // float8 (kE4M3) kernels: v is V^T, (batch, v_rows = heads_kv * head_dim_v, v_keys)
   // with v_keys >= seqlen_k a multiple of 32 (keys past seqlen_k zero), each 32 keys in
   // the order of jax_fa4/_float8.py transposed_v; descale (3, heads_kv) fp32 the
@@ -132,6 +134,7 @@ struct Kernel {
   const char* name;
   const char* arch;
   Dtype dtype;
+  Dtype kv_dtype;  // of k and v: dtype, or kE4M3 for a float8 KV cache (bf16 q and out)
   int head_dim;    // of q and k
   int head_dim_v;  // of v and out
   bool banded;   // the banded variant (runtime band)
@@ -159,8 +162,9 @@ extern const int kNumBwdKernels;
 const char* DtypeName(Dtype dtype);
 
 // nullptr when no kernel was built for this configuration.
-const FwdKernel* FindFwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
-                               bool softcap, bool segments, bool split, bool paged);
+const FwdKernel* FindFwdKernel(Dtype dtype, Dtype kv_dtype, int head_dim, int head_dim_v,
+                               bool banded, bool softcap, bool segments, bool split,
+                               bool paged);
 const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments);
 

@@ -37,6 +37,7 @@ void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
     e["kind"] = kind;
     e["arch"] = k.arch;
     e["dtype"] = jax_fa4::DtypeName(k.dtype);
+    e["kv_dtype"] = jax_fa4::DtypeName(k.kv_dtype);
     e["head_dim"] = k.head_dim;
     e["head_dim_v"] = k.head_dim_v;
     e["banded"] = k.banded;

@@ -4,10 +4,12 @@ and runs it."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
-from jax_fa4 import (_fallback, _float8, _kernel_select, _masks, _path, _registry,
-                     _segment_plan, _sharding, _vjp)
+from jax_fa4 import (_fallback, _float8, _kernel_select, _kv_float8, _masks, _path,
+                     _registry, _segment_plan, _sharding, _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -80,7 +82,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         Under a sharded jit it partitions over batch and heads; a sharded sequence is
         refused (no float8 ring yet).
         Descales and out_dtype are refused with other dtypes, other float8 formats
-        everywhere, and float8 by attention_varlen and paged_attention.
+        everywhere, and float8 by attention_varlen.
+    float8 K/V (a float8 KV cache): bfloat16 q with k, v of float8_e4m3fn stand for
+        attention over q, k * k_descale, v * v_descale (descales as above; no q_descale
+        or out_dtype: out is bfloat16). Forward only. On Hopper the float8-KV kernels
+        run it at head dims up to 256 without softcap (K/V read in e4m3 and converted
+        in shared memory: half the bytes of a bfloat16 cache), any Sq, with masks, GQA,
+        lengths, segment ids and sinks; other calls dequantize K and V into bfloat16
+        first (with a warning on a GPU). paged_attention takes float8 caches the same way.
     deterministic: static bool, for the backward kernel: False (default) accumulates dq
         with atomic adds, fast, but the summation order and so the last bits of dq can
         change from run to run; True accumulates in a fixed order, bitwise reproducible
@@ -109,6 +118,13 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     arrays = dict(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_lengths=q_lengths, kv_lengths=kv_lengths)
     descales = dict(q_descale=q_descale, k_descale=k_descale, v_descale=v_descale)
+    if _kv_float8.applies(q, k, v):
+        out, lse = _kv_float8_attention(
+            q, k, v, descales, out_dtype, arrays, causal=causal,
+            softmax_scale=softmax_scale, return_lse=return_lse,
+            implementation=implementation, alignment=alignment, window=window,
+            softcap=softcap, deterministic=deterministic)
+        return (out, lse) if return_lse else out
     spec = _plan(q, k, v, causal=causal, softmax_scale=softmax_scale,
                  return_lse=return_lse, implementation=implementation, alignment=alignment,
                  window=window, softcap=softcap, deterministic=deterministic,
@@ -125,6 +141,27 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         out, lse = _float8.undefined_heads(out, lse, table)
         out = out.astype(spec.out_dtype)
     return (out, lse) if spec.return_lse else out
+
+
+def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
+    """(out, lse) of a call with bfloat16 q and float8 K/V (`_kv_float8`)."""
+    _kv_float8.check(q, k, v, descales, out_dtype)
+    spec = _plan(q, _kv_float8.as_bfloat16(k), _kv_float8.as_bfloat16(v), **options,
+                 **arrays)
+    kernel_spec = _kv_float8.kernel_spec(spec, _path.sizes(q, k, varlen=False))
+    arrays.update(q_lengths=_masks.clip_lengths(arrays["q_lengths"], q.shape[1]),
+                  kv_lengths=_masks.clip_lengths(arrays["kv_lengths"], k.shape[1]))
+    table = _kv_float8.table(descales, k.shape[-2])
+    q = _float8.forward_only(q, _kv_float8.FORWARD_ONLY)
+    if kernel_spec is not None:
+        out, lse = _run(kernel_spec, q, k, v, **arrays, descales=table)
+    else:
+        if spec.path != "reference":
+            _kv_float8.warn_dequantized(_kernel_select.kernel_support(
+                dataclasses.replace(spec, kv_float8=True, split_kernel=True))[1]
+                or "no Hopper GPU for the kernels")
+        out, lse = _run(spec, q, *_kv_float8.dequantized(k, v, table), **arrays)
+    return _float8.undefined_heads(out, lse, table)
 
 
 def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -290,6 +327,8 @@ def _kernel_attention(spec: AttentionSpec, q, k, v, segments=(), descales=None):
     dims = (kernel_spec.head_dim, kernel_spec.head_dim_v)
 
     def run(spec, q, k, v):
+        if spec.kv_float8:
+            return _kv_float8.forward(spec, q, k, v, descales, tuple(segments))
         if descales is not None:
             return _float8.forward(spec, q, k, v, descales)
         return _vjp.attention(spec, q, k, v, segments)

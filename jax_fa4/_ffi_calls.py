@@ -23,7 +23,7 @@ BWD_TARGET = "jax_fa4_bwd"
 
 
 def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1,
-        unpack=None, q_heads_as_rows=False, appended=None):
+        unpack=None, q_heads_as_rows=False, appended=None, descale=None):
     """q (B, Sq, H, D), k (B, Sk, Hkv, D), v (B, Sk, Hkv, Dv) -> out (B, Sq, H, Dv),
     lse (B, H, Sq) fp32; Hkv divides H (GQA/MQA). `segments`: (rows, keys) of
     `_segment_plan` for the segment kernels, from which the plan for the forward's tiles
@@ -39,7 +39,10 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     reads as the packed problem's g rows per K/V head. `appended` (paged only): (k_new,
     v_new) (B, S, Hkv, D / Dv), rows the kernel writes into the caches at each batch's
     last S keys before attending; the caches come back too, (out, lse, k, v), written
-    in place (XLA aliases them to k and v: donate them, or XLA copies them first)."""
+    in place (XLA aliases them to k and v: donate them, or XLA copies them first).
+    `descale`: with spec.kv_float8 (k, v and appended rows in float8_e4m3fn, q bf16),
+    the (3, Hkv) float32 table of `_float8.descale_table` (its q row 1), the last
+    operand."""
     *lead, sq, heads, _ = q.shape
     dv, g = v.shape[-1], rows_per_position
     split = spec.split_kernel
@@ -73,7 +76,8 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     plan = functools.partial(_segment_plan.forward_plan,
                              one_segment=not (spec.has_segment_ids or spec.varlen))
     extra = _segment_operands(segments, fwd_kernel(spec), plan, rows_per_position) + (
-        (pages,) if spec.paged else ()) + (tuple(appended) if appended is not None else ())
+        (pages,) if spec.paged else ()) + (tuple(appended) if appended is not None else ()) + (
+        (descale,) if spec.kv_float8 else ())
     out, lse, _counter, _out_part, _lse_part, *caches = call(
         q, k, v, *extra, **spec.ffi_attributes(), unpack_group=np.int32(g if split else 1),
         q_heads_as_rows=q_heads_as_rows)

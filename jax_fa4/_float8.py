@@ -36,31 +36,36 @@ DESCALES = ("q_descale", "k_descale", "v_descale")
 KEYS_ALIGN = 32  # V^T's keys are padded to whole 32-key k-steps of the PV product
 
 
-@jax.custom_vjp
-def _forward_only(x):
+FORWARD_ONLY = (
+    "jax_fa4.attention with float8_e4m3fn q, k, v is forward only: it has no gradient "
+    "with respect to q, k, v or their descales (train in bfloat16 or float16)")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def forward_only(x, message: str = FORWARD_ONLY):
+    """x, whose gradient raises NotImplementedError(message)."""
     return x
 
 
-def _forward_only_fwd(x):
+def _forward_only_fwd(x, message):
     return x, None
 
 
-def _forward_only_bwd(_, cotangent):
-    raise NotImplementedError(
-        "jax_fa4.attention with float8_e4m3fn q, k, v is forward only: it has no "
-        "gradient with respect to q, k, v or their descales (train in bfloat16 or "
-        "float16)")
+def _forward_only_bwd(message, residuals, cotangent):
+    raise NotImplementedError(message)
 
 
-_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
 
 
-def descale_table(descales: dict, heads_kv: int):
-    """(3, Hkv) float32: the q, k and v descale of each K/V head (1 where None)."""
+def descale_table(descales: dict, heads_kv: int, message: str = FORWARD_ONLY):
+    """(3, Hkv) float32: the q, k and v descale of each K/V head (1 where None); a
+    gradient through one raises NotImplementedError(message)."""
     rows = []
     for name in DESCALES:
         x = descales.get(name)
-        x = jnp.ones((), jnp.float32) if x is None else _forward_only(x).astype(jnp.float32)
+        x = (jnp.ones((), jnp.float32) if x is None
+             else forward_only(x, message).astype(jnp.float32))
         rows.append(jnp.broadcast_to(x, (heads_kv,)))
     return jnp.stack(rows)
 
@@ -70,7 +75,7 @@ def dequantize(q, k, v, table):
     group = q.shape[-2] // max(k.shape[-2], 1)
 
     def scaled(x, descale):
-        return _forward_only(x).astype(jnp.float32) * descale[:, None]
+        return forward_only(x).astype(jnp.float32) * descale[:, None]
 
     return scaled(q, jnp.repeat(table[0], group)), scaled(k, table[1]), scaled(v, table[2])
 
@@ -102,7 +107,7 @@ def forward(spec: AttentionSpec, q, k, v, table):
     over batch and heads under a sharded jit (_sharding.FLOAT8); `table` from
     descale_table. Forward only as a whole: autodiff must not reach the partitioned and
     batched call inside, which has no derivative rules of its own."""
-    return _batchable(spec)(q, k, v, table)
+    return _sharded(spec)(q, k, v, table)
 
 
 def _forward_fwd(spec, q, k, v, table):
@@ -110,7 +115,7 @@ def _forward_fwd(spec, q, k, v, table):
 
 
 def _forward_bwd(spec, residuals, cotangents):
-    _forward_only_bwd(residuals, cotangents)
+    raise NotImplementedError(FORWARD_ONLY)
 
 
 forward.defvjp(_forward_fwd, _forward_bwd)
@@ -124,33 +129,9 @@ def _on_shard(spec: AttentionSpec, q, k, v, table):
     return kernel(q, k, v, table)
 
 
+# Under vmap, q, k and v fold into the batch while the table is shared, or the call
+# runs once per element when the table varies (_sharding.sharded).
 _sharded = _sharding.sharded(_on_shard, _sharding.FLOAT8, None)
-
-
-@functools.cache
-def _batchable(spec: AttentionSpec):
-    """The call under vmap: vmapped axes of q, k, v fold into the batch (exact: batch
-    elements are independent) while the descale table is shared; a table that varies
-    along the vmapped axis runs one call per element (the kernel takes one table per
-    call). A rule of its own: _sharding's folds the first axis of every operand."""
-    @jax.custom_batching.custom_vmap
-    def call(q, k, v, table):
-        return _sharded(spec)(q, k, v, table)
-
-    @call.def_vmap
-    def fold(axis_size, in_batched, q, k, v, table):
-        if in_batched[3]:
-            results = jax.lax.map(lambda args: call(*args), (
-                *(x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                  for x, b in zip((q, k, v), in_batched[:3])), table))
-            return results, (True, True)
-        q, k, v = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                   for x, b in zip((q, k, v), in_batched[:3]))
-        out, lse = call(*(x.reshape(-1, *x.shape[2:]) for x in (q, k, v)), table)
-        return ((out.reshape(axis_size, -1, *out.shape[1:]),
-                 lse.reshape(axis_size, -1, *lse.shape[1:])), (True, True))
-
-    return call
 
 
 def _kernel(q, k, v, table, *, spec: AttentionSpec):

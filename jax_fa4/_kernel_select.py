@@ -18,6 +18,9 @@ from jax_fa4._spec import AttentionSpec
 # Numpy dtype names of the inputs the kernels take -> the manifest's dtype names.
 KERNEL_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "e4m3"}
 
+# The manifest's kv_dtype of the kernels for float8 K/V with 16-bit q (AttentionSpec.kv_float8).
+KV_FLOAT8 = "e4m3"
+
 # The kernels' grids are (tiles, heads, batch): y and z stop at 65535 (ffi/handler_common.h).
 GRID_YZ_LIMIT = 65535
 
@@ -109,4 +112,5 @@ def _find(spec: AttentionSpec, kind: str, dims: tuple[int, int] | None = None) -
     split = kind == "fwd" and spec.split_kernel
     paged = kind == "fwd" and spec.paged
     return _registry.find_kernel(kind, kernel_dtype(spec), dims, spec.banded or split,
-                                 spec.softcap is not None, spec.segment_kernel, split, paged)
+                                 spec.softcap is not None, spec.segment_kernel, split, paged,
+                                 KV_FLOAT8 if spec.kv_float8 else None)

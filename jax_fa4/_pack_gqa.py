@@ -71,7 +71,7 @@ def _segments(segments, spec, q, k):
     return segments
 
 
-def fwd(q, k, v, *segments, spec, pages=None, appended=None):
+def fwd(q, k, v, *segments, spec, pages=None, appended=None, descale=None):
     """_ffi_calls.fwd on the packed problem."""
     g = spec.group_size
     # A split's combine kernel writes the caller's layout itself; else `unpack` runs.
@@ -81,6 +81,7 @@ def fwd(q, k, v, *segments, spec, pages=None, appended=None):
     return _ffi_calls.fwd(q if in_place else _rows(q, g), k, v,
                           *_segments(segments, spec, q, k),
                           spec=spec, pages=pages, rows_per_position=g, appended=appended,
+                          descale=descale,
                           unpack=lambda out, lse: (_unrows(out, g), _lse_unrows(lse, g)),
                           q_heads_as_rows=in_place)
 

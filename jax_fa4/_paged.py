@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import (_api, _fallback, _ffi_calls, _kernel_select, _pack_gqa, _path,
-                     _segment_plan, _validate)
+from jax_fa4 import (_api, _fallback, _ffi_calls, _float8, _kernel_select, _kv_float8,
+                     _pack_gqa, _path, _segment_plan, _validate)
 
 # Keys per TMA copy of the paged kernels (kernels/sm90/paged.py PAGE_ROWS, ffi kPageRows):
 # the page sizes they take are multiples of it.
@@ -36,7 +36,7 @@ GATHER_WARNING = (
 
 def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, v_new=None,
                     causal=True, window=None, softcap=None, sinks=None, softmax_scale=None,
-                    return_lse=False, implementation=None):
+                    return_lse=False, implementation=None, k_descale=None, v_descale=None):
     """Attention of q over the keys and values of a paged cache.
 
     q (B, Sq, Hq, D); k_cache (num_pages, page_size, Hkv, D); v_cache (num_pages,
@@ -61,11 +61,26 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     the caller gives up (a loop carry under jit, or donated), or XLA copies them first.
     A slot that two sequences' tables share gets one of their rows.
 
+    Float8 caches: k_cache and v_cache (and k_new, v_new) in float8_e4m3fn with a
+    bfloat16 q stand for k_cache * k_descale and v_cache * v_descale, each descale None
+    or float32 of shape () or (Hkv,) (jax_fa4/_kv_float8.py): the paged kernels' float8
+    variants read the pages in e4m3 and convert them in shared memory; other calls take
+    the gather, dequantized. out is bfloat16; a K/V head with a negative or non-finite
+    descale gives NaN out and lse.
+
     implementation: as in `attention` (None: the kernels where they run). Inference only:
     jax.grad through it raises NotImplementedError.
     """
     _check(q, k_cache, v_cache, page_table, kv_lengths)
     _check_new(q, k_cache, v_cache, k_new, v_new)
+    descales = dict(k_descale=k_descale, v_descale=v_descale)
+    table = None
+    if _kv_float8.applies(q, k_cache, v_cache):
+        _kv_float8.check(q, k_cache, v_cache, descales, None)
+        table = _kv_float8.table(descales, k_cache.shape[2])
+    elif k_descale is not None or v_descale is not None:
+        raise ValueError(f"k_descale, v_descale: for {_validate.FLOAT8} caches only; got "
+                         f"{jnp.dtype(k_cache.dtype).name}")
     options = dict(causal=causal, window=window, softcap=softcap,
                    softmax_scale=softmax_scale)
     spec = _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks,
@@ -73,7 +88,8 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
 
     def gathered(implementation):
         attention = functools.partial(_api.attention, **options, return_lse=True,
-                                      implementation=implementation)
+                                      implementation=implementation,
+                                      **(descales if table is not None else {}))
         return functools.partial(_gathered, attention)
 
     if spec is None:
@@ -87,7 +103,9 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     else:
         run = functools.partial(_in_place, spec)
     out, lse, *caches = _inference_only(run, q, k_cache, v_cache, page_table, kv_lengths,
-                                        sinks, k_new, v_new)
+                                        sinks, k_new, v_new, table)
+    if table is not None:
+        out, lse = _float8.undefined_heads(out, lse, table)
     if caches:
         return (out, lse, *caches) if return_lse else (out, *caches)
     return (out, lse) if return_lse else out
@@ -100,10 +118,17 @@ def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implemen
     problem). implementation="cute" raises NotImplementedError with the reason instead."""
     page_size = k_cache.shape[1]
     batch, max_pages = page_table.shape
-    dense = [jax.ShapeDtypeStruct((batch, max_pages * page_size, *c.shape[2:]), c.dtype)
+    float8 = _kv_float8.applies(q, k_cache, v_cache)
+    dense = [jax.ShapeDtypeStruct((batch, max_pages * page_size, *c.shape[2:]),
+                                  jnp.bfloat16 if float8 else c.dtype)
              for c in (k_cache, v_cache)]
     spec = _api._plan(q, *dense, return_lse=True, implementation=implementation,
                       kv_lengths=kv_lengths, sinks=sinks, **options)
+    if float8 and spec.path in ("cute", "platform"):
+        # None: no float8-KV kernel for it; the gather path then dequantizes.
+        spec = _kv_float8.kernel_spec(spec, _path.sizes(q, dense[0], varlen=False))
+        if spec is None:
+            return None
     paged = dataclasses.replace(spec, paged=True)
     reason = ""
     if spec.path not in ("cute", "platform"):
@@ -121,9 +146,10 @@ def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implemen
     return None if reason else paged
 
 
-def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new):
+def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new,
+              table):
     """The paged kernel: out and lse as `attention` gives them on the gathered keys
-    (and the caches, appending)."""
+    (and the caches, appending); table: float8 caches' descales (_kv_float8.table)."""
     batch, seqlen_q = q.shape[:2]
     seqlen_k = page_table.shape[1] * k_cache.shape[1]
     segments = _segment_plan.padded_rows(
@@ -132,13 +158,15 @@ def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v
     forward = _pack_gqa.fwd if spec.pack_gqa else _ffi_calls.fwd
     appended = None if k_new is None else (k_new, v_new)
     out, lse, *caches = forward(q, k_cache, v_cache, *segments, spec=spec, pages=page_table,
-                                appended=appended)
+                                appended=appended, descale=table)
     if sinks is not None:
         out, lse = _api._add_sinks(out, lse, sinks)
     return (out, lse, *caches)
 
 
-def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new):
+def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new,
+              table):
+    del table  # `attention` takes the descales themselves
     caches = ()
     if k_new is not None:
         k_cache = append(k_cache, k_new, page_table, kv_lengths)

@@ -88,11 +88,11 @@ def with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
     return spec
 
 
-def with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
+def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> AttentionSpec:
     """Split-KV (`_split_kv`) on the kernel paths, for static sizes whose grid leaves SMs
-    idle or whose query rows fit one split tile, where the split kernel was built. The
-    grid is counted as the kernel sees it: pack-GQA runs each group's query heads as
-    rows of one key/value head."""
+    idle or whose query rows fit one split tile (`always`: any), where the split kernel
+    was built. The grid is counted as the kernel sees it: pack-GQA runs each group's
+    query heads as rows of one key/value head."""
     batch, heads, seqlen_q, seqlen_k = sizes
     if spec.path not in ("cute", "platform") or not all(
             isinstance(n, int) for n in sizes):
@@ -105,8 +105,8 @@ def with_split(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
     ctas = batch * heads * -(-seqlen_q // split["tile_m"])
     key_blocks = -(-seqlen_k // split["tile_n"])
     splits = _split_kv.num_splits(ctas, key_blocks, sm_count())
-    if splits == 1 and not _split_kv.split_kernel_unsplit(seqlen_q, key_blocks,
-                                                          split["tile_m"]):
+    if splits == 1 and not always and not _split_kv.split_kernel_unsplit(
+            seqlen_q, key_blocks, split["tile_m"]):
         return spec
     return dataclasses.replace(spec, split_kernel=True, num_splits=splits)
 

@@ -17,7 +17,9 @@ its q, k, v through an identity under the same rule, which passes batch and head
 sharding through and refuses a sharded sequence.
 
 `custom_partitioning` has no batching rule, so `custom_vmap` folds vmapped axes into the
-batch dimension (exact, since batch elements are independent) and calls it again.
+batch dimension (exact, since batch elements are independent) and calls it again; a
+descale table (no batch axis) that varies along the vmapped axis makes it one call per
+element instead.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ BACKWARD = Signature(("q", "k", "v", "out", "dout", "lse", "dlse"), ("dq", "dk",
 FLOAT8 = Signature(("q", "k", "v", "descale"), ("out", "lse"),
                    "b sq {hq} d, b sk h d, b sk h e, t h -> b sq {hq} e, b {hq} sq",
                    no_ring="float8 attention has no ring yet")
+# The float8 K/V forward (jax_fa4/_kv_float8.py): bf16 q, the same operands.
+KV_FLOAT8 = dataclasses.replace(FLOAT8, no_ring="attention with float8 K/V has no ring yet")
 
 # The reference path's identity: the forward's operands, each to itself.
 GUARD = Signature(FORWARD.operands, FORWARD.operands,
@@ -80,6 +84,7 @@ def _with_segments(signature: Signature) -> Signature:
 
 FORWARD_SEGMENTS = _with_segments(FORWARD)
 BACKWARD_SEGMENTS = _with_segments(BACKWARD)
+KV_FLOAT8_SEGMENTS = _with_segments(KV_FLOAT8)
 
 
 def sharded(fn, signature: Signature, ring):
@@ -127,9 +132,17 @@ def sharded(fn, signature: Signature, ring):
 
         @batched.def_vmap
         def fold(axis_size, in_batched, *operands):
-            operands = (x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
-                        for x, b in zip(operands, in_batched))
-            results = batched(*(x.reshape(-1, *x.shape[2:]) for x in operands))
+            shared = [name == "descale" for name in signature.operands]
+            if any(b and s for b, s in zip(in_batched, shared)):
+                # A table per element: the kernels take one per call.
+                every = tuple(x if b else jnp.broadcast_to(x, (axis_size, *x.shape))
+                              for x, b in zip(operands, in_batched))
+                return (jax.lax.map(lambda args: batched(*args), every),
+                        (True,) * len(signature.results))
+            operands = (x if b or s else jnp.broadcast_to(x, (axis_size, *x.shape))
+                        for x, b, s in zip(operands, in_batched, shared))
+            results = batched(*(x if s else x.reshape(-1, *x.shape[2:])
+                                for x, s in zip(operands, shared)))
             return (tuple(r.reshape(axis_size, -1, *r.shape[1:]) for r in results),
                     (True,) * len(results))
 

@@ -74,6 +74,9 @@ class AttentionSpec:
     # Paged K/V (`_paged`): the forward reads k and v as caches of pages through a page
     # table (the segment kernel's paged variant); inference only, set by `_paged`.
     paged: bool = False
+    # float8_e4m3fn K and V with bfloat16 q (`_kv_float8`): the split kernels' float8 KV
+    # variants, which take a descale table; set by `_kv_float8` on the kernel paths.
+    kv_float8: bool = False
 
     def __post_init__(self):
         if self.path not in PATHS:
@@ -203,9 +206,11 @@ class AttentionSpec:
         softmax_scale -> f32, the band's window_left / window_right -> i32 (-1:
         unbounded; causal is a right side of 0), top_left -> i1 (ffi/handler_common.h
         MakeBand), softcap -> f32 (0: none), split_kernel -> i1 (the banded kernel's
-        split variant) and num_splits -> i32 (its runs per tile)."""
+        split variant) and num_splits -> i32 (its runs per tile), kv_float8 -> i1 (float8
+        K/V and a descale operand)."""
         return {**self._band_attributes(self.banded or self.split_kernel),
-                "split_kernel": self.split_kernel, "num_splits": np.int32(self.num_splits)}
+                "split_kernel": self.split_kernel, "num_splits": np.int32(self.num_splits),
+                "kv_float8": self.kv_float8}
 
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's band attributes

@@ -25,6 +25,11 @@ HEAD_DIM_PAIRS = ((192, 128),)
 # Head dims (D = Dv) of the paged kernels: 96 and 192 (three 32- or 64-element swizzle
 # atoms per row) abort the DSL compiler in their paged layouts (cutlass-dsl 4.8.1).
 PAGED_HEAD_DIMS = (64, 128, 256)
+# K and V in float8 e4m3 with bf16 q and out (a float8 KV cache): the split variants
+# (decode; with one split any Sq), dense, with lengths and paged, no softcap; the kernel
+# converts each landed K/V block to bf16 in shared memory (kernels/sm90/dequant.py).
+KV_FP8_DTYPES = ("e4m3",)
+KV_FP8_HEAD_DIMS = (64, 128, 256)
 ARCHS = ("sm_90a",)
 
 # Registers per thread after `setmaxnreg`, by number of consumer warpgroups. The
@@ -233,6 +238,8 @@ class _KernelConfig:
     # are read in place from a cache of pages through a runtime page table; built for
     # PAGED_HEAD_DIMS.
     paged: bool = False
+    # K and V dtype when it differs from q's (KV_FP8_DTYPES; None: dtype).
+    kv_dtype: str | None = None
 
     kind = ""
 
@@ -245,6 +252,13 @@ class _KernelConfig:
                                  f"{FP8_HEAD_DIMS} without softcap, segments, splits or pages")
         elif self.dtype not in DTYPES:
             raise ValueError(f"dtype {self.dtype!r} not in {DTYPES + FP8_DTYPES}")
+        if self.kv_dtype is not None and (
+                self.kv_dtype not in KV_FP8_DTYPES or self.kind != "fwd"
+                or self.dtype != "bf16" or not self.split or self.softcap
+                or self.head_dim not in KV_FP8_HEAD_DIMS
+                or self.head_dim_v not in (None, self.head_dim)):
+            raise ValueError(f"kv_dtype {self.kv_dtype!r}: {KV_FP8_DTYPES} K/V are bf16 "
+                             f"split forwards at head dims {KV_FP8_HEAD_DIMS} without softcap")
         if self.head_dim_v is None:
             object.__setattr__(self, "head_dim_v", self.head_dim)
         if self.head_dim_v != self.head_dim:
@@ -271,6 +285,7 @@ class _KernelConfig:
         seg = "_segments" if self.segments else ""
         seg += "_split" if self.split else ""
         seg += "_paged" if self.paged else ""
+        seg += f"_kv_{self.kv_dtype}" if self.kv_dtype else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
                                       else "")
         return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
@@ -289,6 +304,7 @@ class _KernelConfig:
             "segments": self.segments,
             "split": self.split,
             "paged": self.paged,
+            "kv_dtype": self.kv_dtype or self.dtype,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
         }
@@ -402,6 +418,10 @@ FWD_MANIFEST: tuple[FwdConfig, ...] = tuple(
 )
 FWD_MANIFEST += tuple(FwdConfig(dtype=d, head_dim=h, banded=c)
                       for d in FP8_DTYPES for h in FP8_HEAD_DIMS for c in (False, True))
+FWD_MANIFEST += tuple(FwdConfig(dtype="bf16", kv_dtype=kv, head_dim=h, banded=True,
+                                segments=seg, split=True, paged=paged)
+                      for kv in KV_FP8_DTYPES for h in KV_FP8_HEAD_DIMS
+                      for seg, paged in ((False, False), (True, False), (True, True)))
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)

@@ -120,6 +120,9 @@ TILE_COUNTER = Param("mTileCounter", "tile_counter", "bhn", "1", "i32", heads="1
 # q, k, v of each K/V head (kernels/sm90/fwd.py); their out is bf16 ("out").
 FP8_VT = Param("mV", "v", "bhn", "v_keys", heads="v_rows")
 FP8_DESCALE = Param("mDescale", "descale", "bhn", "heads_kv", "f32", heads="3", batch="1")
+# kv_dtype variants take K, V and the new rows in kv_dtype ("kv"), and the descales
+# after everything else (q's is 1).
+KV_FIELDS = ("k", "v", "new_k", "new_v")
 # Fields of the (B, S, H, Dv) tensors: v, out and their gradients; the others have D.
 VALUE_FIELDS = ("v", "o", "o_part", "dout", "dv", "new_v")
 
@@ -147,8 +150,12 @@ def tensors(cfg) -> tuple[Param, ...]:
         params = (((SPLIT_Q if cfg.split else params[0]),)
                   + (PAGED_CACHES if cfg.paged else params[1:3]) + params[3:]
                   + (TILE_COUNTER,) + (SPLIT_PARTIALS if cfg.split else ()))
-    return (params + (SEGMENT_TENSORS if cfg.segments else ())
-            + ((PAGE_TABLE, *NEW_ROWS) if cfg.paged else ()))
+    params = (params + (SEGMENT_TENSORS if cfg.segments else ())
+              + ((PAGE_TABLE, *NEW_ROWS) if cfg.paged else ()))
+    if cfg.kind == "fwd" and cfg.kv_dtype:
+        params = tuple(p._replace(dtype="kv") if p.field in KV_FIELDS else p
+                       for p in params) + (FP8_DESCALE,)
+    return params
 
 
 # (C type, FwdArgs / BwdArgs field) of each scalar parameter.
@@ -239,7 +246,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
              for name in (*(p.batch for p in params), *(p.heads for p in params),
                           *(p.extent for p in params))}
     dtypes = {"io": DTYPES[cfg.dtype], "out": OUT_DTYPES.get(cfg.dtype, DTYPES[cfg.dtype]),
-              "f32": Float32, "i32": Int32}
+              "kv": DTYPES[cfg.kv_dtype or cfg.dtype], "f32": Float32, "i32": Int32}
 
     def fake(p: Param):
         b, h, n = sizes[p.batch], sizes[p.heads], sizes[p.extent]
@@ -257,15 +264,18 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     # Variants without segments take None for the segment tensors: not in their ABI.
     seg = [fake(p) if cfg.segments else None for p in SEGMENT_TENSORS]
-    main = [fake(p) for p in params
-            if p not in SEGMENT_TENSORS + SPLIT_PARTIALS + (PAGE_TABLE, *NEW_ROWS, FP8_DESCALE)]
+    later = {p.tensor for p in SEGMENT_TENSORS + SPLIT_PARTIALS
+             + (PAGE_TABLE, *NEW_ROWS, FP8_DESCALE)}
+    main = [fake(p) for p in params if p.tensor not in later]
     # Forward kernels take the split partials (None unless split) after the tile
     # counter, and the page table and new rows (None unless paged) before their scalars.
     parts, pages, descale = [], [], []
     if cfg.kind == "fwd":
         parts = [fake(p) if cfg.split else None for p in SPLIT_PARTIALS]
-        pages = [fake(p) if cfg.paged else None for p in (PAGE_TABLE, *NEW_ROWS)]
-        descale = [fake(FP8_DESCALE) if cfg.dtype in FP8_DTYPES else None]
+        by_tensor = {p.tensor: p for p in params}
+        pages = [fake(by_tensor[p.tensor]) if cfg.paged else None
+                 for p in (PAGE_TABLE, *NEW_ROWS)]
+        descale = [fake(FP8_DESCALE) if cfg.dtype in FP8_DTYPES or cfg.kv_dtype else None]
     compiled = cute.compile(kernel, *main, *parts, *seg, *pages, *descale, *scalars,
                             cuda.CUstream(0),
                             options=options)
@@ -368,15 +378,15 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
         table = f"k{kind.capitalize()}Kernels"
         lines.append(f"const {kind.capitalize()}Kernel {table}[] = {{")
         for cfg in (c for c in configs if c.kind == kind):
-            dtype = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16",
-                     "e4m3": "Dtype::kE4M3"}[cfg.dtype]
+            dtypes = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16", "e4m3": "Dtype::kE4M3"}
+            dtype, kv_dtype = dtypes[cfg.dtype], dtypes[cfg.kv_dtype or cfg.dtype]
             dynamic = kind == "fwd" and cfg.tile.schedule == "dynamic"
             banded, softcap, segments, split, paged, dynamic = (
                 "true" if flag else "false"
                 for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged,
                              dynamic))
             lines.append(
-                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
+                f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {kv_dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
                 f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )

@@ -71,7 +71,7 @@ from cutlass.tensor_utils import LayoutEnum
 
 from kernels import band
 from kernels.config import PRODUCER_REGS, FwdConfig, consumer_regs
-from kernels.sm90 import combine, mask, paged, schedule, segments, softcap, wgmma
+from kernels.sm90 import combine, dequant, mask, paged, schedule, segments, softcap, wgmma
 from kernels.sm90.fragments import (acc_as_fp8_operand_a, acc_as_operand_a, convert,
                                     convert_to_fp8_operand_a, rows_cols)
 from kernels.sm90.softmax import OnlineSoftmax
@@ -97,6 +97,7 @@ class Barrier(enum.IntEnum):
     TURN = 1  # consumer c waits here for its turn to issue wgmma (ping-pong)
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
     TILE_START = 7  # consumer 0 has begun a tile (_start_turns)
+    DEQUANT = 8  # kv_dtype variants' consumer around its K/V conversion (dequant.py)
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -168,10 +169,13 @@ class Smem:
     """This CTA's shared memory: the Q ring sQ (CONSUMER_ROWS, D, q_stages * consumers),
     stage s of consumer c at s * consumers + c, and the K and V rings sK (tile_n, D,
     kv_stages), sV (Dv, tile_n, kv_stages); paged variants' `appended`, the mbarrier the
-    append warp arrives on once its rows are in the cache (FwdSm90._append)."""
+    append warp arrives on once its rows are in the cache (FwdSm90._append).
+    `loads`: the (K, V) rings TMA fills, shaped as sK and sV: sK and sV themselves, or in
+    kv_dtype variants float8 rings, while sK and sV hold one converted block each."""
 
-    def __init__(self, sQ, sK, sV, appended=None):
+    def __init__(self, sQ, sK, sV, appended=None, loads=None):
         self.sQ, self.sK, self.sV, self.appended = sQ, sK, sV, appended
+        self.loads = (sK, sV) if loads is None else loads
 
 
 class FwdSm90:
@@ -183,6 +187,12 @@ class FwdSm90:
         # descales scale the scores and out, and out is stored from registers (bf16 O
         # does not fit the fp8 Q buffer it is staged in otherwise).
         self.fp8 = cfg.dtype == "e4m3"
+        # float8 K and V with bf16 q (kv_dtype): TMA fills float8 rings, and the consumer
+        # converts each block into one bf16 K and V buffer before its wgmma (dequant.py);
+        # descales as in float8 variants (q's 1).
+        self.kv_fp8 = cfg.kv_dtype is not None
+        self.kv_dtype = DTYPES[cfg.kv_dtype] if self.kv_fp8 else self.dtype
+        self.descaled = self.fp8 or self.kv_fp8
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
         self.banded = cfg.banded
@@ -266,24 +276,23 @@ class FwdSm90:
         lse = cute.make_tensor(lse_dst.iterator, cute.select(lse_dst.layout, mode=[2, 1, 0]))
 
         qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
-        pv_tiler = (CONSUMER_ROWS, dv, self.tile_n)
         sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt,
                                                   self.q_stages * self.consumers)
-        sK_layout = sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR, qk_tiler, dt, self.kv_stages)
-        v_major = LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR
-        sV_layout = sm90_utils.make_smem_layout_b(v_major, pv_tiler, dt, self.kv_stages)
-        if cutlass.const_expr(self.paged):
-            sK_layout, sV_layout = paged.ring_layouts(dt, d, dv, self.tile_n, self.kv_stages)
+        # The wgmma's K and V buffers: the rings, or one converted block (kv_fp8).
+        sK_layout, sV_layout = self._kv_layouts(dt, 1 if self.kv_fp8 else self.kv_stages)
+        loadK_layout, loadV_layout = sK_layout, sV_layout
+        if cutlass.const_expr(self.kv_fp8):
+            loadK_layout, loadV_layout = self._kv_layouts(self.kv_dtype, self.kv_stages)
         sO_one = self._o_smem_layout()
         sQ_one = cute.slice_(sQ_layout, (None, None, 0))
-        sK_one = cute.slice_(sK_layout, (None, None, 0))
-        sV_one = cute.slice_(sV_layout, (None, None, 0))
+        sK_one = cute.slice_(loadK_layout, (None, None, 0))
+        sV_one = cute.slice_(loadV_layout, (None, None, 0))
 
         load = cpasync.CopyBulkTensorTileG2SOp()
         tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (CONSUMER_ROWS, d))
         if cutlass.const_expr(self.paged):
             # One TMA box per PAGE_ROWS keys, each from its own page.
-            k_pieces, v_pieces = paged.piece_layouts(dt, d, dv, 1)
+            k_pieces, v_pieces = paged.piece_layouts(self.kv_dtype, d, dv, 1)
             tma_atom_k, tma_k = cpasync.make_tiled_tma_atom(
                 load, k, cute.slice_(k_pieces, (None, None, 0)), (paged.PAGE_ROWS, d))
             tma_atom_v, tma_v = cpasync.make_tiled_tma_atom(
@@ -298,21 +307,23 @@ class FwdSm90:
                 cpasync.CopyBulkTensorTileS2GOp(), o, sO_one, (CONSUMER_ROWS, dv)
             )
         self.q_bytes = cute.size_in_bytes(dt, sQ_one) * self.consumers
-        self.k_bytes = cute.size_in_bytes(dt, sK_one)
-        self.v_bytes = cute.size_in_bytes(dt, sV_one)
+        self.k_bytes = cute.size_in_bytes(self.kv_dtype, sK_one)
+        self.v_bytes = cute.size_in_bytes(self.kv_dtype, sV_one)
 
-        @cute.struct
-        class Storage:
-            q_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            tile_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
-            tile_ring: cute.struct.MemRange[Int32, self.q_stages]
-            k_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
-            v_mbar: cute.struct.MemRange[Int64, 2 * self.kv_stages]
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sV_layout)], 1024]
+        def aligned(dtype, layout):
+            return cute.struct.Align[cute.struct.MemRange[dtype, cute.cosize(layout)], 1024]
 
-        self.storage = Storage
+        fields = dict(
+            q_mbar=cute.struct.MemRange[Int64, 2 * self.q_stages],
+            tile_mbar=cute.struct.MemRange[Int64, 2 * self.q_stages],
+            tile_ring=cute.struct.MemRange[Int32, self.q_stages],
+            k_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
+            v_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
+            sQ=aligned(dt, sQ_layout), sK=aligned(dt, sK_layout), sV=aligned(dt, sV_layout))
+        if cutlass.const_expr(self.kv_fp8):
+            fields.update(loadK=aligned(self.kv_dtype, loadK_layout),
+                          loadV=aligned(self.kv_dtype, loadV_layout))
+        self.storage = cute.struct(type("Storage", (), {"__annotations__": fields}))
         splits = num_splits if cutlass.const_expr(self.split) else Int32(1)
         out, out_lse = None, None
         if cutlass.const_expr(self.split):
@@ -327,6 +338,7 @@ class FwdSm90:
             mDescale, scale_log2,
             band_lo, band_hi, softcap_scale, splits,
             sQ_layout, sK_layout, sV_layout,
+            (loadK_layout, loadV_layout) if cutlass.const_expr(self.kv_fp8) else None,
         ).launch(
             grid=grid, block=[self.threads, 1, 1], stream=stream,
             min_blocks_per_mp=self.ctas_per_sm,
@@ -368,6 +380,7 @@ class FwdSm90:
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         sV_layout: cute.ComposedLayout,
+        load_layouts,
     ):
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
@@ -377,6 +390,11 @@ class FwdSm90:
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
         sK = storage.sK.get_tensor(sK_layout.outer, swizzle=sK_layout.inner)
         sV = storage.sV.get_tensor(sV_layout.outer, swizzle=sV_layout.inner)
+        loads = None
+        if cutlass.const_expr(self.kv_fp8):
+            loadK_layout, loadV_layout = load_layouts
+            loads = (storage.loadK.get_tensor(loadK_layout.outer, swizzle=loadK_layout.inner),
+                     storage.loadV.get_tensor(loadV_layout.outer, swizzle=loadV_layout.inner))
 
         # Paged variants ("tile" schedule) leave the tile ring's barriers unused: the
         # first is the append warp's (Smem.appended), one arrival.
@@ -421,7 +439,7 @@ class FwdSm90:
                     (tma_atom_o, tma_o), mLSE, final, mDescale)
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k,
                       num_splits)
-        smem = Smem(sQ, sK, sV, appended)
+        smem = Smem(sQ, sK, sV, appended, loads)
         # What _walk needs besides the tile.
         launch = (run, gmem, (mRows, mKeys, mPlan, paged_tensors))
         extent_x = cute.ceil_div(seqlen_q, self.tile_m)
@@ -569,7 +587,7 @@ class FwdSm90:
         of V; returns the advanced producers. `parts`: "qkv" all of it; "qk" Q and the K
         blocks, "v" the V blocks (two producer warps: v_warp)."""
         (tma_atom_q, tma_q), (tma_atom_k, tma_k), (tma_atom_v, tma_v) = gmem.q, gmem.k, gmem.v
-        sQ, sK, sV = smem.sQ, smem.sK, smem.sV
+        sQ, (sK, sV) = smem.sQ, smem.loads
         m_block, head, batch, seg = walk.m_block, walk.head, walk.batch, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
         d = self.head_dim
@@ -654,7 +672,8 @@ class FwdSm90:
         d, dv = self.head_dim, self.head_dim_v
         if cutlass.const_expr(self.paged):
             pieces = self.tile_n // paged.PAGE_ROWS
-            k_pieces, v_pieces = paged.piece_layouts(self.dtype, d, dv, pieces * self.kv_stages)
+            k_pieces, v_pieces = paged.piece_layouts(self.kv_dtype, d, dv,
+                                                     pieces * self.kv_stages)
             k_ring = cute.make_tensor(sK.iterator, k_pieces.outer)
             v_ring = cute.make_tensor(sV.iterator, v_pieces.outer)
 
@@ -742,7 +761,7 @@ class FwdSm90:
         acc_o.fill(0.0)
         coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
         v_descale = Float32(1.0)
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.descaled):
             kv_head = mask.kv_head(walk.head, gmem.q[1].shape[2], gmem.k[1].shape[2])
             scale_log2 = (scale_log2 * gmem.descale[0, 0, kv_head]
                           * gmem.descale[0, 1, kv_head])
@@ -766,7 +785,8 @@ class FwdSm90:
         tiles = _Tiles(thr_qk=thr_qk, s_shape=s_shape, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV,
                        tOrP=tOrP, r_p=r_p, acc_o=acc_o, coord_s=coord_s, softmax=softmax,
                        o_scale=o_scale, c=c, row0=row0, coord_o=coord_o,
-                       tiled_r2s=tiled_r2s, sOc=sOc, v_descale=v_descale)
+                       tiled_r2s=tiled_r2s, sOc=sOc, v_descale=v_descale, smem=smem,
+                       ctid=tidx)
 
         if n_end > n_begin:
             self._start_turns(c)
@@ -775,11 +795,12 @@ class FwdSm90:
             n_last, first_masked = self._first_block(n_end, seg)
             acc_s = thr_qk.make_fragment_C(s_shape)
             k_handle = k_consumer.wait_and_advance()
+            k_at, _ = self._operands(tiles, k_handle, None)
             self._wait_turn(c)
-            wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+            wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_at], True)
             self._pass_turn(c)
             warpgroup.wait_group(0)
-            k_handle.release()
+            self._release(k_handle)
             s_rc = rows_cols(acc_s)
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
@@ -821,9 +842,10 @@ class FwdSm90:
             # PV of the last visited block.
             self._rescale(acc_o, o_scale)
             v_handle = v_consumer.wait_and_advance()
-            wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
+            _, v_at = self._operands(tiles, None, v_handle)
+            wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_at], False)
             warpgroup.wait_group(0)
-            v_handle.release()
+            self._release(v_handle)
             if c == 0:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
@@ -849,14 +871,20 @@ class FwdSm90:
         c, row0, softcap_scale = tiles.c, tiles.row0, run.softcap_scale
         acc_s = thr_qk.make_fragment_C(s_shape)
         k_handle = k_consumer.wait_and_advance()
+        v_handle = None
+        if cutlass.const_expr(self.kv_fp8):  # both blocks are converted before either GEMM
+            v_handle = v_consumer.wait_and_advance()
+        k_at, v_at = self._operands(tiles, k_handle, v_handle)
         self._wait_turn(c)
-        wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_handle.index], True)
+        wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_at], True)
         self._rescale(acc_o, o_scale)
-        v_handle = v_consumer.wait_and_advance()
-        wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_handle.index], False)
+        if cutlass.const_expr(not self.kv_fp8):
+            v_handle = v_consumer.wait_and_advance()
+            v_at = v_handle.index
+        wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_at], False)
         self._pass_turn(c)
         warpgroup.wait_group(1)
-        k_handle.release()
+        self._release(k_handle)
         s_rc = rows_cols(acc_s)
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores(s_rc, softcap_scale)
@@ -864,9 +892,36 @@ class FwdSm90:
             self._mask(s_rc, coord_s, row0, n_block, run, seg)
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
-        v_handle.release()
+        self._release(v_handle)
         self._convert_p(acc_s, r_p)
         return k_consumer, v_consumer
+
+    @cute.jit
+    def _operands(self, tiles, k_handle, v_handle):
+        """(K stage, V stage) of the wgmma for the landed ring slots k_handle and
+        v_handle (either None: not needed): the slots themselves, or in kv_fp8 variants
+        the one bf16 buffer of each, into which the consumer converts the slots, then
+        frees them."""
+        if cutlass.const_expr(not self.kv_fp8):
+            return (None if k_handle is None else k_handle.index,
+                    None if v_handle is None else v_handle.index)
+        smem = tiles.smem
+        (ringK, ringV), pairs = smem.loads, []
+        if cutlass.const_expr(k_handle is not None):
+            pairs.append((ringK[None, None, k_handle.index], smem.sK[None, None, 0], 1))
+        if cutlass.const_expr(v_handle is not None):
+            pairs.append((ringV[None, None, v_handle.index], smem.sV[None, None, 0], 0))
+        dequant.dequantize(pairs, Barrier.DEQUANT + tiles.c, tiles.ctid, WARPGROUP)
+        for handle in (k_handle, v_handle):
+            if cutlass.const_expr(handle is not None):
+                handle.release()
+        return 0, 0
+
+    def _release(self, handle):
+        """Free a K or V ring slot once its wgmma is done (kv_fp8 variants freed it after
+        the conversion)."""
+        if cutlass.const_expr(not self.kv_fp8):
+            handle.release()
 
     @cute.jit
     def epilogue(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32, warp: Int32):
@@ -877,7 +932,7 @@ class FwdSm90:
         inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
         tiles.softmax.finalize(inv_sum, lse)
-        if cutlass.const_expr(self.fp8):
+        if cutlass.const_expr(self.descaled):
             for r in cutlass.range_constexpr(ROWS_PER_THREAD):
                 inv_sum[r] = inv_sum[r] * tiles.v_descale
         self._rescale(acc_o, inv_sum)
@@ -1019,6 +1074,19 @@ class FwdSm90:
             self.dtype, self.dtype, OperandMajorMode.K, v_major, Float32,
             (1, 1, 1), (CONSUMER_ROWS, self.head_dim_v), warpgroup.OperandSource.RMEM,
         )
+
+    def _kv_layouts(self, dtype, stages: int):
+        """sK (tile_n, D, stages) and sV (Dv, tile_n, stages) in dtype as the wgmma reads
+        them (float8 variants' V^T K-major), paged variants' with each PAGE_ROWS keys
+        contiguous (paged.py)."""
+        d, dv = self.head_dim, self.head_dim_v
+        if cutlass.const_expr(self.paged):
+            return paged.ring_layouts(dtype, d, dv, self.tile_n, stages)
+        v_major = LayoutEnum.ROW_MAJOR if self.fp8 else LayoutEnum.COL_MAJOR
+        return (sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
+                                              (CONSUMER_ROWS, self.tile_n, d), dtype, stages),
+                sm90_utils.make_smem_layout_b(v_major, (CONSUMER_ROWS, dv, self.tile_n),
+                                              dtype, stages))
 
     def _o_smem_layout(self):
         """One consumer's O tile (CONSUMER_ROWS, Dv) in shared memory, for the TMA store."""

@@ -30,7 +30,7 @@ case "$part" in
   quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py" ;;
   core) files="$g/test_gpu_back_to_back.py $g/test_gpu_numerics.py $g/test_gpu_backward.py $g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_command_buffer.py $g/test_gpu_split_kv.py $g/test_gpu_paged.py" ;;
   features) files="$g/test_gpu_window.py $g/test_gpu_segments.py $g/test_gpu_varlen.py $g/test_gpu_jax_nn.py" ;;
-  heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_float8.py" ;;
+  heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_float8.py $g/test_gpu_kv_float8.py" ;;
   large) files="$g/test_gpu_large.py $g/test_gpu_softcap_accuracy.py" ;;
   multi) files="$g/test_gpu_multi.py" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -5,7 +5,9 @@ call in both dq modes (atomic, deterministic). The split forwards (split-KV) get
 of their variant with splitting forced, down to runs of one key block and runs left
 empty; every other call is traced with splitting off. The paged forwards get
 paged_attention over a cache of 32-key pages in random order, with page ids and lengths
-out of range, appending its 200 query rows' keys and values (k_new, v_new). The
+out of range, appending its 200 query rows' keys and values (k_new, v_new). The float8-KV
+forwards (kv_dtype e4m3) get their variant's call with k and v (and the caches) in e4m3,
+and no varlen case (attention_varlen takes no float8). The
 segment kernels get one more call each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
 or negative; lengths negative or past S), which the kernels must survive without an
 out-of-bounds access. Sizes are small (the sanitizers are slow) but leave partial tiles
@@ -129,7 +131,9 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             continue
         cases = [MAIN[kernel["banded"], kernel["softcap"], kernel["segments"]]]
         if kernel["segments"]:
-            case, arrays, varlen = OUT_OF_RANGE[turn[kernel["kind"]] % len(OUT_OF_RANGE)]
+            float8_kv = kernel.get("kv_dtype", kernel["dtype"]) != kernel["dtype"]
+            choices = [c for c in OUT_OF_RANGE if not (float8_kv and c[2])]
+            case, arrays, varlen = choices[turn[kernel["kind"]] % len(choices)]
             turn[kernel["kind"]] += 1
             # A band as well, and the softcap that selects a softcap variant.
             options = {"causal": True} | ({"softcap": SOFTCAP} if kernel["softcap"] else {})
@@ -161,7 +165,8 @@ def operands(call: Call):
         shapes = ((BATCH, SEQ_Q, HEADS_Q, d), (BATCH, SEQ_K, HEADS_KV, d),
                   (BATCH, SEQ_K, HEADS_KV, dv))
     rng = np.random.default_rng(zlib.crc32(f"{kernel['name']} {call.case}".encode()))
-    return [rng.standard_normal(s, np.float32).astype(DTYPES[kernel["dtype"]]) for s in shapes]
+    dtypes = [DTYPES[kernel["dtype"]]] + 2 * [DTYPES[kernel.get("kv_dtype", kernel["dtype"])]]
+    return [rng.standard_normal(s, np.float32).astype(t) for s, t in zip(shapes, dtypes)]
 
 
 def function(call: Call, implementation):
@@ -171,7 +176,8 @@ def function(call: Call, implementation):
     def forward(q, k, v, arrays):
         if call.paged:  # appending rows of q as its tokens' keys and values
             heads_kv = k.shape[2]
-            new = (q[:, :, :heads_kv], q[:, :, heads_kv:2 * heads_kv, :v.shape[-1]])
+            new = (q[:, :, :heads_kv].astype(k.dtype),
+                   q[:, :, heads_kv:2 * heads_kv, :v.shape[-1]].astype(v.dtype))
             out, lse, *_ = jax_fa4.paged_attention(
                 q, k, v, **call.options, **arrays, k_new=new[0], v_new=new[1],
                 return_lse=True, implementation=implementation)

@@ -1,0 +1,154 @@
+"""float8_e4m3fn K/V with bfloat16 q (jax_fa4/_kv_float8.py) on the float8-KV kernels,
+dense and paged, against the 16-bit numerics rule on the dequantized inputs.
+
+The descales have few significant bits (0.5, 0.75, 1.5, 2, 3), so k * k_descale and
+v * v_descale are exact in bfloat16: the rule's inputs are the values the call stands
+for, and its low-precision baseline is plain bfloat16 attention on them. Each call is
+checked to run a float8-KV kernel (the lowered text names the attribute)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jax_fa4
+from jax_fa4 import _paged
+
+pytestmark = pytest.mark.gpu
+
+E4M3 = jnp.float8_e4m3fn
+DESCALES = (0.5, 0.75, 1.5, 2.0, 3.0)
+
+
+def _descale(kind, heads_kv, seed):
+    if kind is None:
+        return None
+    rng = np.random.default_rng(seed)
+    if kind == "tensor":
+        return jnp.float32(rng.choice(DESCALES))
+    return jnp.asarray(rng.choice(DESCALES, heads_kv), jnp.float32)
+
+
+def _dequantized(x, descale):
+    if descale is None:
+        return x.astype(jnp.bfloat16)
+    scale = jnp.broadcast_to(descale, (x.shape[-2],))[:, None]
+    return (x.astype(jnp.float32) * scale).astype(jnp.bfloat16)
+
+
+def _inputs(seed, batch, sq, sk, hq, hkv, d):
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(kq, (batch, sq, hq, d), jnp.float32).astype(jnp.bfloat16)
+    k = jax.random.normal(kk, (batch, sk, hkv, d), jnp.float32).astype(E4M3)
+    v = jax.random.normal(kv, (batch, sk, hkv, d), jnp.float32).astype(E4M3)
+    return q, k, v
+
+
+def _runs_kernel(fn, *args):
+    text = fn.lower(*args).as_text()
+    assert "jax_fa4_fwd" in text and "kv_float8 = true" in text, "no float8-KV kernel call"
+
+
+CASES = [
+    # (batch, sq, sk, hq, hkv, d, causal, window, lengths, descales kind)
+    (1, 1, 8192 + 17, 32, 8, 128, True, None, False, "head"),  # decode, batch 1: splits
+    (3, 1, 4000, 8, 2, 128, True, None, True, "tensor"),  # ragged lengths
+    (2, 1, 3000, 8, 8, 64, False, None, False, None),  # no GQA, d64
+    (1, 1, 5000, 4, 1, 256, True, (1000, 0), False, "head"),  # MQA, window, d256
+    (2, 4, 1500, 8, 2, 128, True, None, True, "head"),  # speculative tokens
+    (1, 300, 700, 8, 2, 128, True, None, False, "tensor"),  # prefill-shaped
+    (2, 200, 333, 4, 2, 96, False, (50, 50), False, "head"),  # d96 zero-padded to d128
+    (64, 1, 2048, 32, 8, 128, True, None, False, "tensor"),  # batch 64: one split
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}_sq{}_sk{}_h{}/{}_d{}_{}_w{}_{}_{}".format(
+    *c[:6], "causal" if c[6] else "full", c[7], "lengths" if c[8] else "dense", c[9]))
+def test_kv_float8_kernel(fa, case):
+    batch, sq, sk, hq, hkv, d, causal, window, lengths, kind = case
+    q, k, v = _inputs(sq + sk + d, batch, sq, sk, hq, hkv, d)
+    kd, vd = _descale(kind, hkv, 1), _descale(kind, hkv, 2)
+    kv_lengths = (jnp.asarray(np.random.default_rng(sk).integers(sq, sk + 1, batch), jnp.int32)
+                  if lengths else None)
+
+    def call(q, k, v, kv_lengths):
+        return jax_fa4.attention(q, k, v, k_descale=kd, v_descale=vd, causal=causal,
+                                 window=window, kv_lengths=kv_lengths, return_lse=True)
+
+    fn = jax.jit(call)
+    _runs_kernel(fn, q, k, v, kv_lengths)
+    out, lse = fn(q, k, v, kv_lengths)
+    assert out.dtype == jnp.bfloat16 and out.shape == q.shape
+    segments = None if kv_lengths is None else {"kv_lengths": kv_lengths}
+    fa.assert_attention("kv float8", out, lse, q, _dequantized(k, kd), _dequantized(v, vd),
+                        causal=causal, window=window, segments=segments)
+
+
+def test_kv_float8_sinks(fa):
+    q, k, v = _inputs(5, 2, 1, 3000, 8, 2, 128)
+    sinks = jnp.asarray([0.0, 3.0, -2.0, 8.0, 1.0, 0.5, -1.0, 2.0], jnp.float32)
+    kd = jnp.asarray([0.5, 3.0], jnp.float32)
+    fn = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, k_descale=kd, sinks=sinks,
+                                                   causal=True, return_lse=True))
+    _runs_kernel(fn, q, k, v)
+    out, lse = fn(q, k, v)
+    fa.assert_attention("kv float8 sinks", out, lse, q, _dequantized(k, kd),
+                        _dequantized(v, None), causal=True, sinks=sinks)
+
+
+def test_kv_float8_split_is_deterministic():
+    """A batch-1 decode step over 20k keys runs many splits and their combine: bit for
+    bit the same every time."""
+    q, k, v = _inputs(6, 1, 1, 20000, 32, 8, 128)
+    fn = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, return_lse=True))
+    first = jax.device_get(fn(q, k, v))
+    for _ in range(3):
+        for x, y in zip(first, jax.device_get(fn(q, k, v))):
+            assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_kv_float8_negative_descale_gives_nan_for_its_heads():
+    q, k, v = _inputs(7, 1, 1, 2000, 4, 2, 128)
+    kd = jnp.asarray([1.0, -1.0], jnp.float32)
+    out, lse = jax_fa4.attention(q, k, v, k_descale=kd, return_lse=True)
+    out, lse = np.asarray(out, np.float32), np.asarray(lse)
+    assert np.all(np.isfinite(out[:, :, :2])) and np.all(np.isnan(out[:, :, 2:]))
+    assert np.all(np.isfinite(lse[:, :2])) and np.all(np.isnan(lse[:, 2:]))
+
+
+@pytest.mark.parametrize("page_size", [16, 64, 256])
+@pytest.mark.parametrize("d", [64, 128])
+def test_kv_float8_paged(fa, page_size, d):
+    """Pages in a random order, ragged lengths, the step's own rows appended in place:
+    against dense attention on the gathered, dequantized pages, and the caches against
+    the scatter."""
+    batch, hq, hkv, sq = 3, 8, 2, 1
+    rng = np.random.default_rng(page_size + d)
+    max_pages = -(-5000 // page_size)
+    num_pages = batch * max_pages + 3
+    table = jnp.asarray(rng.permutation(num_pages)[:batch * max_pages].reshape(batch, -1),
+                        jnp.int32)
+    lengths = jnp.asarray(rng.integers(1, max_pages * page_size + 1, batch), jnp.int32)
+    _, k_cache, v_cache = _inputs(8, 1, 1, num_pages * page_size, hq, hkv, d)
+    q = jax.random.normal(jax.random.key(10), (batch, sq, hq, d), jnp.float32).astype(
+        jnp.bfloat16)
+    k_cache, v_cache = (x.reshape(num_pages, page_size, hkv, d) for x in (k_cache, v_cache))
+    _, k_new, v_new = _inputs(9, batch, sq, sq, hq, hkv, d)
+    kd, vd = jnp.asarray([0.75, 2.0], jnp.float32), jnp.float32(1.5)
+
+    def call(q, k_cache, v_cache, k_new, v_new):
+        return jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, k_new=k_new,
+                                       v_new=v_new, k_descale=kd, v_descale=vd,
+                                       return_lse=True)
+
+    fn = jax.jit(call)
+    _runs_kernel(fn, q, k_cache, v_cache, k_new, v_new)
+    out, lse, k_after, v_after = fn(q, k_cache, v_cache, k_new, v_new)
+    k_want = _paged.append(k_cache, k_new, table, lengths)
+    v_want = _paged.append(v_cache, v_new, table, lengths)
+    for got, want in ((k_after, k_want), (v_after, v_want)):
+        assert np.array_equal(np.asarray(got).view(np.uint8), np.asarray(want).view(np.uint8))
+    k_dense = _dequantized(_paged.gather(k_want, table), kd)
+    v_dense = _dequantized(_paged.gather(v_want, table), vd)
+    fa.assert_attention("paged kv float8", out, lse, q, k_dense, v_dense, causal=True,
+                        segments={"kv_lengths": lengths})
