@@ -146,6 +146,7 @@ struct Kernel {
                   // which the handler zeroes before the launch
   int tile_m;
   int tile_n;
+  int ctas_per_sm;  // CTAs resident on one SM (kernels/config.py Tile)
   int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
   cudaError_t (*init)();  // loads the module's library (context-free, once per process)
   cudaError_t (*load)(int32_t device);  // readies its kernels for `device`, after init

@@ -47,6 +47,7 @@ void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
     e["paged"] = k.paged;
     e["tile_m"] = k.tile_m;
     e["tile_n"] = k.tile_n;
+    e["ctas_per_sm"] = k.ctas_per_sm;
     if (k.dq_parts > 0) e["dq_parts"] = k.dq_parts;
     kernels.append(e);
   }

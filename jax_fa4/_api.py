@@ -247,7 +247,16 @@ def supports(q, k, v, **kwargs) -> Support:
     else:
         descales = {name: kwargs.pop(name, None)
                     for name in ("q_descale", "k_descale", "v_descale")}
-        spec = AttentionSpec.from_inputs(q, k, v, descales=descales, **kwargs)
+        if _kv_float8.applies(q, k, v):
+            # The float8-KV kernel where one takes the call, else the bfloat16 call that
+            # dequantized K/V make.
+            _kv_float8.check(q, k, v, descales, kwargs.pop("out_dtype", None))
+            spec = AttentionSpec.from_inputs(q, _kv_float8.as_bfloat16(k),
+                                             _kv_float8.as_bfloat16(v), **kwargs)
+            spec = _kv_float8.kernel_spec(spec.with_path("cute"),
+                                          _path.sizes(q, k, varlen=False)) or spec
+        else:
+            spec = AttentionSpec.from_inputs(q, k, v, descales=descales, **kwargs)
     sizes = _path.sizes(q, k, varlen=varlen)
     ok, reason = _path.kernel_runs_here(spec, sizes)
     if ok:
@@ -258,9 +267,9 @@ def supports(q, k, v, **kwargs) -> Support:
 
 
 def kernels() -> list[dict]:
-    """The compiled kernels (name, kind, arch, dtype, head_dim, head_dim_v, banded,
-    softcap, segments, split, paged, tile_m, tile_n, and dq_parts for backward kernels);
-    [] when the native module is not built."""
+    """The compiled kernels (name, kind, arch, dtype, kv_dtype (of k and v), head_dim,
+    head_dim_v, banded, softcap, segments, split, paged, tile_m, tile_n, ctas_per_sm, and
+    dq_parts for backward kernels); [] when the native module is not built."""
     return _registry.manifest()
 
 

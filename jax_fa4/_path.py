@@ -104,7 +104,8 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
         heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size
     ctas = batch * heads * -(-seqlen_q // split["tile_m"])
     key_blocks = -(-seqlen_k // split["tile_n"])
-    splits = _split_kv.num_splits(ctas, key_blocks, sm_count())
+    splits = _split_kv.num_splits(ctas, key_blocks,
+                                  _split_kv.slots(sm_count(), split, spec.kv_float8))
     if splits == 1 and not always and not _split_kv.split_kernel_unsplit(
             seqlen_q, key_blocks, split["tile_m"]):
         return spec

@@ -38,6 +38,23 @@ DECODE_SHAPED = True
 DECODE_MIN_BLOCKS = 4
 
 
+# The float8-KV split kernels convert each block in the consumer before its GEMMs, so
+# one CTA per SM leaves the loads waiting on it: they fill every CTA slot of an SM
+# instead (two at d64 and d128). Decode steps, 32 / 8 heads (H100, 2026-11-27, one
+# call, twice each; two slots / one slot / three): d128 batch 1 at 8k keys 16.1 / 16.7
+# / 22.0 us, 32k 36.8 / 44.1 / 48.9, 128k 109.7 / 153.2 / 147.3, batch 4 at 32k 108.7
+# / 153.6; d64 at 128k 72.1 / 103.2; d256 (one slot) level.
+KV_FLOAT8_EVERY_SLOT = True
+
+
+def slots(sm_count: int, kernel: dict, kv_float8: bool) -> int:
+    """CTAs one wave of the split `kernel` holds: one per SM, or with float8 K/V
+    every slot (the manifest's ctas_per_sm)."""
+    if kv_float8 and KV_FLOAT8_EVERY_SLOT:
+        return sm_count * kernel.get("ctas_per_sm", 1)
+    return sm_count
+
+
 def split_kernel_unsplit(rows: int, key_blocks: int, split_tile_rows: int) -> bool:
     """Whether a call with `rows` query rows per batch and head (as the kernel sees
     them) over `key_blocks` key blocks that needs no split runs the split kernel
@@ -47,10 +64,10 @@ def split_kernel_unsplit(rows: int, key_blocks: int, split_tile_rows: int) -> bo
 
 def num_splits(ctas: int, key_blocks: int, sm_count: int) -> int:
     """The split count of a forward whose grid has `ctas` CTAs (query tiles x heads x
-    batch), each over at most `key_blocks` key blocks, on `sm_count` SMs: 1 when the
-    grid fills the GPU; else as many as keep all CTAs in one wave (the kernels run one
-    CTA per SM), each split at least MIN_BLOCKS_PER_SPLIT blocks. Fixed per shape, so
-    jit and CUDA graphs stay valid."""
+    batch), each over at most `key_blocks` key blocks, on `sm_count` slots (`slots`):
+    1 when the grid fills the GPU; else as many as keep all CTAs in one wave, each
+    split at least MIN_BLOCKS_PER_SPLIT blocks. Fixed per shape, so jit and CUDA graphs
+    stay valid."""
     if ctas <= 0 or ctas >= FILL * sm_count:
         return 1
     splits = min(sm_count // ctas, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)

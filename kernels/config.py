@@ -145,6 +145,10 @@ _RESCALE = 8.0
 # kernels against 71.6, 128k keys 1.03-1.05x again.
 _SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
                      128: dict(n=64, ctas_per_sm=2)}
+# float8-KV split kernels (kv_dtype): the bf16 split tiles, with float8 rings of
+# kv_stages blocks and one converted bf16 K and V block (smem at d128: Q 16 + rings 2 x
+# 16 + 32 KB, two CTAs per SM), changed here per head dim.
+_KV_FP8_SPLIT = {}
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
                       schedule="static", q_stages=2),
@@ -307,6 +311,7 @@ class _KernelConfig:
             "kv_dtype": self.kv_dtype or self.dtype,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
+            "ctas_per_sm": getattr(self.tile, "ctas_per_sm", 1),
         }
 
 
@@ -333,8 +338,11 @@ class FwdConfig(_KernelConfig):
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         if self.split:
-            return dataclasses.replace(_TILES[(self.head_dim, True)], m=64, pingpong=False,
+            tile = dataclasses.replace(_TILES[(self.head_dim, True)], m=64, pingpong=False,
                                        **_SPLIT_TWO_PER_SM.get(self.head_dim, {}))
+            if self.kv_dtype:
+                tile = dataclasses.replace(tile, **_KV_FP8_SPLIT.get(self.head_dim, {}))
+            return tile
         return _TILES[(self.head_dim, self.banded)]
 
 

@@ -388,7 +388,8 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {kv_dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
                 f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, '
-                f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
+                f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'ctas_per_sm', 1)}, "
+                f"{getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )
         lines.append("};")
         lines.append(f"const int kNum{kind.capitalize()}Kernels = sizeof({table}) / sizeof({table}[0]);")

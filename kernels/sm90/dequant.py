@@ -4,8 +4,8 @@ the forward, kernels/sm90/fwd.py).
 TMA lands each e4m3 block in a ring of its own; the consumer warpgroup converts it into
 a single 16-bit K (V) buffer laid out as the 16-bit kernels' rings are, and frees the
 ring slot at once, so the loads run ahead by the whole ring while the block is used.
-The conversion is exact (every e4m3 value is a bf16 value); the descales stay out of it
-(the scores' scale and out take them).
+The conversion is exact (every e4m3 value is a bf16 and an fp16 value); the descales
+stay out of it (the scores' scale and out take them).
 """
 
 import cutlass

@@ -193,6 +193,10 @@ class FwdSm90:
         self.kv_fp8 = cfg.kv_dtype is not None
         self.kv_dtype = DTYPES[cfg.kv_dtype] if self.kv_fp8 else self.dtype
         self.descaled = self.fp8 or self.kv_fp8
+        # The P V operands' dtype: q's, but fp16 with float8 K/V, where V converts in one
+        # instruction per pair (cvt.rn.f16x2.e4m3x2; bf16 takes three more, through
+        # fp32) and P, in [0, 1], keeps 3 more bits (values below 2^-24 flush to 0).
+        self.pv_dtype = Float16 if self.kv_fp8 else self.dtype
         self.head_dim = cfg.head_dim
         self.head_dim_v = cfg.head_dim_v
         self.banded = cfg.banded
@@ -319,7 +323,8 @@ class FwdSm90:
             tile_ring=cute.struct.MemRange[Int32, self.q_stages],
             k_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             v_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
-            sQ=aligned(dt, sQ_layout), sK=aligned(dt, sK_layout), sV=aligned(dt, sV_layout))
+            sQ=aligned(dt, sQ_layout), sK=aligned(dt, sK_layout),
+            sV=aligned(self.pv_dtype, sV_layout))
         if cutlass.const_expr(self.kv_fp8):
             fields.update(loadK=aligned(self.kv_dtype, loadK_layout),
                           loadV=aligned(self.kv_dtype, loadV_layout))
@@ -775,7 +780,7 @@ class FwdSm90:
             r_p = cute.make_rmem_tensor((cute.size(acc_layout),), self.dtype)
             tOrP = cute.make_tensor(r_p.iterator, acc_as_fp8_operand_a(acc_layout))
         else:
-            r_p = cute.make_rmem_tensor(acc_layout, self.dtype)
+            r_p = cute.make_rmem_tensor(acc_layout, self.pv_dtype)
             tOrP = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
         row0 = m_block * self.tile_m + c * CONSUMER_ROWS
         coord_o = rows_cols(thr_pv.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, dv))))
@@ -1071,7 +1076,7 @@ class FwdSm90:
     def _pv_mma(self):
         v_major = OperandMajorMode.K if self.fp8 else OperandMajorMode.MN
         return sm90_utils.make_trivial_tiled_mma(
-            self.dtype, self.dtype, OperandMajorMode.K, v_major, Float32,
+            self.pv_dtype, self.pv_dtype, OperandMajorMode.K, v_major, Float32,
             (1, 1, 1), (CONSUMER_ROWS, self.head_dim_v), warpgroup.OperandSource.RMEM,
         )
 

@@ -166,3 +166,31 @@ def test_kv_float8_paged_lowers_for_cuda_and_appends(built):
                              kv_lengths=lengths)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want, np.float32),
                                rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("d, slots_per_sm", [(64, 2), (128, 2), (256, 1)])
+def test_kv_float8_decode_splits_fill_every_cta_slot(built, d, slots_per_sm):
+    """A batch-1 decode step's float8-KV split count fills every CTA slot of the SMs
+    (two per SM at d64 / d128; _split_kv.slots), bf16 K/V's one per SM."""
+    q = jax.ShapeDtypeStruct((1, 1, 32, d), jnp.bfloat16)
+    counts = {}
+    for dtype in (jnp.bfloat16, E4M3):
+        kv = jax.ShapeDtypeStruct((1, 131072, 8, d), dtype)
+        text = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v)).trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+        (call,) = _fwd_calls(text)
+        counts[dtype] = int(call.split("num_splits = ")[1].split(" ")[0])
+    # 8 K/V heads (pack-GQA: one 64-row tile each) on 132 SMs.
+    assert counts[jnp.bfloat16] == 132 // 8
+    assert counts[E4M3] == 132 * slots_per_sm // 8
+
+
+def test_kv_float8_supports_names_what_runs(built):
+    q = jax.ShapeDtypeStruct((1, 1, HQ, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 4096, HKV, 128), E4M3)
+    support = jax_fa4.supports(q, kv, kv, k_descale=KD)
+    (ok, reason), path = support, support.path
+    # No Hopper GPU here: the reason is the device, and the reference runs instead.
+    assert not ok and "Hopper" in reason and path == "reference"
+    with pytest.raises(ValueError, match="q_descale"):
+        jax_fa4.supports(q, kv, kv, q_descale=KD)
