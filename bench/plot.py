@@ -156,6 +156,39 @@ def fp8_table(paths) -> str:
     return "\n".join(out)
 
 
+KV8_BACKENDS = ("jax_fa4", "jax_fa4_kv8", "jax_fa4_paged", "jax_fa4_paged_kv8", "jax_cudnn")
+
+
+def kv8_table(paths) -> str:
+    """README's float8 KV cache table: decode-step ms per (batch, keys) of the runs in
+    `paths` (bench.run --seqlen-q 1 --page-size P --backends of KV8_BACKENDS), float8
+    over bf16 K/V, dense and paged, and the float8 dense call's K/V bytes per second."""
+    cells, shape = {}, {}
+    for path in sorted(paths):
+        for line in pathlib.Path(path).read_text().splitlines():
+            r = json.loads(line)
+            if r.get("mode") == "fwd" and r.get("sq") == 1:
+                cells[(r["backend"], r["b"], r["s"])] = r["ms"]
+                shape[(r["b"], r["s"])] = (r.get("h_kv") or r["h"], r["d"])
+    out = ["Decode step, ms: bf16 K/V / float8 K/V (float8 over bf16), dense and paged, "
+           "and cuDNN (bf16):", "",
+           "| batch, keys | dense | paged | cuDNN | float8 K/V read |", "|---|---|---|---|---|"]
+    for b, s in sorted(shape):
+        ms = [cells.get((backend, b, s)) for backend in KV8_BACKENDS]
+
+        def pair(bf16, fp8):
+            if bf16 is None or fp8 is None:
+                return "-"
+            return f"{bf16:.4f} / {fp8:.4f} ({bf16 / fp8:.2f}x)"
+
+        heads_kv, d = shape[b, s]
+        rate = "-" if ms[1] is None else f"{2 * b * s * heads_kv * d / ms[1] / 1e9:.2f} TB/s"
+        cudnn = "-" if ms[4] is None else f"{ms[4]:.4f}"
+        out.append(f"| {b}, {s // 1024}k | {pair(ms[0], ms[1])} | {pair(ms[2], ms[3])} | "
+                   f"{cudnn} | {rate} |")
+    return "\n".join(out)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=pathlib.Path, default=RESULTS,
@@ -165,7 +198,12 @@ def main():
                     help="print README's markdown tables of the same cells instead")
     ap.add_argument("--fp8-table", action="store_true",
                     help="print README's float8 table from --results/fp8/*.jsonl instead")
+    ap.add_argument("--kv8-table", action="store_true",
+                    help="print README's float8 KV cache table from --results/kv8/*.jsonl")
     args = ap.parse_args()
+    if args.kv8_table:
+        print(kv8_table(sorted((args.results / "kv8").glob("*.jsonl"))))
+        return
     if args.fp8_table:
         print(fp8_table(sorted((args.results / "fp8").glob("*.jsonl"))))
         return

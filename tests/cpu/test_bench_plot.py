@@ -76,3 +76,18 @@ def test_fp8_table_holds_e4m3_against_the_faster_bf16(plot, tmp_path):
     assert lines[2] == "| head_dim, mask | 16384 |"
     assert lines[4] == "| 128 | 900 / 700 / 720 (1.25) |"
     assert lines[5] == "| 128 causal | - / - / - (-) |"
+
+
+def test_kv8_table_holds_float8_kv_against_bf16(plot, tmp_path):
+    run = tmp_path / "2026-11-27-h100.jsonl"
+    decode = dict(s=131072, b=1, h=32, h_kv=8, d=128, sq=1)
+    run.write_text("\n".join([
+        _line(**decode, ms=0.2), _line(backend="jax_fa4_kv8", **decode, ms=0.1),
+        _line(backend="jax_fa4_paged", **decode, ms=0.25),
+        _line(backend="jax_cudnn", **decode, ms=0.21),
+        _line(s=16384, b=1, ms=1.0),  # not a decode step: left out
+    ]))
+    lines = plot.kv8_table([run]).splitlines()
+    # K/V of the float8 call: 2 * 1 * 131072 * 8 * 128 bytes in 0.1 ms.
+    assert lines[4] == ("| 1, 128k | 0.2000 / 0.1000 (2.00x) | - | 0.2100 | 2.68 TB/s |")
+    assert len(lines) == 5
