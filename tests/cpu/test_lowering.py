@@ -23,7 +23,7 @@ from jax_fa4 import _api, _path, _registry
 # Attributes print in alphabetical order; num_splits, q_heads_as_rows and softcap sit
 # between the ones read here.
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
-                  r"banded = (true|false), num_splits = \d+ : i32, "
+                  r"banded = (true|false), kv_float8 = false, num_splits = \d+ : i32, "
                   r"q_heads_as_rows = (?:true|false), softcap = \S+ : f32, "
                   r"softmax_scale = (\S+) : f32")
 BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?banded = (true|false), "
@@ -206,9 +206,12 @@ def test_manifest_matches_kernel_config(expected_manifest):
     assert jax_fa4.kernels() == expected_manifest
     kinds = [entry["kind"] for entry in expected_manifest]
     # 40 split forwards, 24 paged ones (segment variants, head dims 64, 128, 256), 6
-    # float8 ones (head dims 64, 128, 256, full and banded)
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (120, 50)
+    # float8 ones (head dims 64, 128, 256, full and banded), 9 float8-KV ones (split:
+    # dense, segments, paged; head dims 64, 128, 256)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (129, 50)
     assert sum(entry["dtype"] == "e4m3" for entry in expected_manifest) == 6
+    assert sum(entry["kv_dtype"] == "e4m3" != entry["dtype"]
+               for entry in expected_manifest) == 9
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):
