@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import _api, _path, _spec, _vjp
+from jax_fa4 import _api, _kv_float8, _path, _spec, _vjp
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
 
@@ -670,4 +670,47 @@ def test_float8_refuses_a_sharded_sequence(built, mesh):
     shard = NamedSharding(mesh, P(None, "model", None, None))
     fwd = jax.jit(jax_fa4.attention, in_shardings=(shard,) * 3)
     with pytest.raises(Exception, match="float8 attention has no ring yet"):
+        fwd.lower(q, k, v).compile()
+
+
+@pytest.mark.parametrize("lengths", [False, True], ids=["dense", "kv_lengths"])
+@pytest.mark.parametrize("spec", [P("data", None, "model", None), P(None, None, "model", None)],
+                         ids=["batch+heads", "heads"])
+def test_float8_kv_partitions_over_batch_and_heads(built, mesh, spec, lengths):
+    """bf16 q with float8 K/V (jax_fa4/_kv_float8.py) under a sharded jit: the
+    float8-KV kernel call per batch and head shard (with lengths, the segment
+    signature), per-K/V-head descales with k's heads; no collectives, the unsharded
+    result."""
+    q, _, _, _ = inputs(h=8, sq=1)
+    _, k, v, _ = inputs(h=8, sk=300, dtype=jnp.float8_e4m3fn)
+    kd = jnp.linspace(0.5, 2.0, 8, dtype=jnp.float32)
+    kv_lengths = jnp.arange(8, dtype=jnp.int32) * 37 if lengths else None
+    shard = NamedSharding(mesh, spec)
+    heads = NamedSharding(mesh, P(spec[2]))
+    rows = NamedSharding(mesh, P(spec[0]))
+
+    def f(q, k, v, kd, kv_lengths):
+        return jax_fa4.attention(q, k, v, k_descale=kd, causal=True, kv_lengths=kv_lengths,
+                                 return_lse=True)
+
+    planned = _api._plan(q, _kv_float8.as_bfloat16(k), _kv_float8.as_bfloat16(v),
+                         causal=True, softmax_scale=None, return_lse=True,
+                         implementation=None, kv_lengths=kv_lengths)
+    kernel = _kv_float8.kernel_spec(planned, _path.sizes(q, k, varlen=False))
+    assert kernel is not None and kernel.path == "platform", kernel
+    fwd = jax.jit(f, in_shardings=(shard,) * 3 + (heads, rows if lengths else None))
+    text = compiled_text(fwd, q, k, v, kd, kv_lengths)
+    assert not COLLECTIVES.findall(text), COLLECTIVES.findall(text)
+    out, lse = fwd(q, k, v, kd, kv_lengths)
+    ref_out, ref_lse = jax.jit(f)(q, k, v, kd, kv_lengths)
+    assert_same(out, ref_out)
+    assert_same(lse, ref_lse)
+
+
+def test_float8_kv_refuses_a_sharded_sequence(built, mesh):
+    q, _, _, _ = inputs()
+    _, k, v, _ = inputs(dtype=jnp.float8_e4m3fn)
+    shard = NamedSharding(mesh, P(None, "model", None, None))
+    fwd = jax.jit(jax_fa4.attention, in_shardings=(shard,) * 3)
+    with pytest.raises(Exception, match="float8 K/V has no ring yet"):
         fwd.lower(q, k, v).compile()
