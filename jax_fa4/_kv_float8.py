@@ -29,10 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import (_fallback, _ffi_calls, _kernel_select, _pack_gqa, _path, _sharding,
-                     _validate)
+                     _validate, _vjp)
 from jax_fa4._float8 import descale_table, forward_only
-from jax_fa4._segment_plan import visibility
-from jax_fa4._reference import reference_attention, reference_attention_visible
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
 
@@ -136,13 +134,9 @@ def _kernel(q, k, v, descales, *segments, spec: AttentionSpec):
 
 
 def _reference(q, k, v, descales, *segments, spec: AttentionSpec):
+    """The kernel paths' reference (`_vjp`) on the dequantized inputs, in float32."""
     k, v = (x.astype(jnp.float32) * d[:, None] for x, d in ((k, descales[1]), (v, descales[2])))
-    q = q.astype(jnp.float32)
-    if segments:
-        out, lse = reference_attention_visible(q, k, v, visibility(*segments),
-                                               softmax_scale=spec.softmax_scale)
-    else:
-        out, lse = reference_attention(q, k, v, **spec.reference_options())
+    out, lse = _vjp.reference(spec, q.astype(jnp.float32), k, v, *segments)
     return vary_like((q, k, v), (out.astype(jnp.bfloat16), lse))
 
 

@@ -21,7 +21,9 @@ from jax_fa4._reference import (reference_attention, reference_attention_visible
 from jax_fa4._spec import AttentionSpec
 
 
-def _reference(spec: AttentionSpec, q, k, v, *segments):
+def reference(spec: AttentionSpec, q, k, v, *segments):
+    """The pure-JAX forward the kernel paths stand for: with segments, on their
+    visibility; shared with `_kv_float8`'s per-platform reference."""
     if segments:
         return reference_attention_visible(q, k, v, _segment_plan.visibility(*segments),
                                            softmax_scale=spec.softmax_scale,
@@ -48,7 +50,7 @@ def _on_platform(spec: AttentionSpec, kernel, reference, *args):
 def _forward_on_shard(spec: AttentionSpec, q, k, v, *segments):
     kernel = _pack_gqa.fwd if spec.pack_gqa else _ffi_calls.fwd
     return _on_platform(spec, functools.partial(kernel, spec=spec),
-                        functools.partial(_reference, spec), q, k, v, *segments)
+                        functools.partial(reference, spec), q, k, v, *segments)
 
 
 def _backward_on_shard(spec: AttentionSpec, q, k, v, out, dout, lse, dlse, *segments):

@@ -188,8 +188,8 @@ class FwdSm90:
         # does not fit the fp8 Q buffer it is staged in otherwise).
         self.fp8 = cfg.dtype == "e4m3"
         # float8 K and V with bf16 q (kv_dtype): TMA fills float8 rings, and the consumer
-        # converts each block into one bf16 K and V buffer before its wgmma (dequant.py);
-        # descales as in float8 variants (q's 1).
+        # converts each block into one 16-bit K and V buffer (pv_dtype below) before its
+        # wgmma (dequant.py); descales as in float8 variants (q's 1).
         self.kv_fp8 = cfg.kv_dtype is not None
         self.kv_dtype = DTYPES[cfg.kv_dtype] if self.kv_fp8 else self.dtype
         self.descaled = self.fp8 or self.kv_fp8
