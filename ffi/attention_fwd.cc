@@ -63,6 +63,8 @@ struct FwdProblem {
   int64_t batch, seqlen_q, seqlen_k, heads, head_dim, heads_kv, head_dim_v;
   // Paged calls: the cache's pages and rows per page, and the table's entries per batch.
   int64_t num_pages = 0, page_size = 0, max_pages = 0;
+  // The segment / page operands after v (SelectCall), before any descale table.
+  size_t given = 0;
 };
 
 // The page table's entries per batch (its last dimension); 0 without one. `given`: the
@@ -208,19 +210,33 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   return p;
 }
 
+// Select for a call's trailing operands: the segment / page ones, then with kv_float8
+// the descale table; shared by both stages.
+ffi::ErrorOr<FwdProblem> SelectCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
+                                    const ffi::AnyBuffer& v, const ffi::RemainingArgs& rest,
+                                    bool banded, float softcap, bool split, int32_t num_splits,
+                                    bool kv_float8) {
+  if (kv_float8 && rest.size() == 0)
+    return ffi::Error::InvalidArgument("jax_fa4_fwd: kv_float8 needs the descale operand");
+  const size_t given = rest.size() - (kv_float8 ? 1 : 0);
+  auto max_pages = MaxPages(rest, given);
+  if (max_pages.has_error()) return max_pages.error();
+  auto problem = Select(q, k, v, banded, softcap, given > 0, split, num_splits, *max_pages,
+                        kv_float8);
+  if (problem.has_error()) return problem.error();
+  FwdProblem p = *problem;
+  p.given = given;
+  return p;
+}
+
 ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                          ffi::RemainingArgs segments, ffi::RemainingRets /*results*/,
                          bool banded, float /*softmax_scale*/, int32_t /*window_left*/,
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          bool split_kernel, int32_t num_splits,
                          int32_t /*unpack_group*/, bool /*q_heads_as_rows*/, bool kv_float8) {
-  if (kv_float8 && segments.size() == 0)
-    return ffi::Error::InvalidArgument("jax_fa4_fwd: kv_float8 needs the descale operand");
-  const size_t given = segments.size() - (kv_float8 ? 1 : 0);
-  auto max_pages = MaxPages(segments, given);
-  if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, banded, softcap, given > 0, split_kernel, num_splits,
-                        *max_pages, kv_float8);
+  auto problem = SelectCall(q, k, v, segments, banded, softcap, split_kernel, num_splits,
+                            kv_float8);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -236,15 +252,11 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       bool top_left, float softcap, bool split_kernel,
                       int32_t num_splits, int32_t unpack_group, bool q_heads_as_rows,
                       bool kv_float8) {
-  if (kv_float8 && segment_args.size() == 0)
-    return ffi::Error::InvalidArgument("jax_fa4_fwd: kv_float8 needs the descale operand");
-  const size_t given = segment_args.size() - (kv_float8 ? 1 : 0);
-  auto max_pages = MaxPages(segment_args, given);
-  if (max_pages.has_error()) return max_pages.error();
-  auto problem = Select(q, k, v, banded, softcap, given > 0, split_kernel, num_splits,
-                        *max_pages, kv_float8);
+  auto problem = SelectCall(q, k, v, segment_args, banded, softcap, split_kernel,
+                            num_splits, kv_float8);
   if (problem.has_error()) return problem.error();
   FwdProblem p = *problem;
+  const size_t given = p.given;
   const std::string where = std::string("jax_fa4_fwd[") + p.kernel->name + "] " + Describe(q, k, v);
   // A pack-GQA decode step's q in the caller's layout, (..., 1, heads_kv * g, D): the
   // split kernel reads its g heads per K/V head as g rows through q_strides, with no
@@ -267,7 +279,7 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   const bool paged = p.max_pages > 0;
   auto segments = ReadSegments(where, segment_args, p.batch, p.seqlen_q, p.seqlen_k, q_tiles,
                                1 + key_blocks, paged ? given - kSegmentOperands : 0,
-                               given < segment_args.size() ? 1 : 0);
+                               kv_float8 ? 1 : 0);
   if (segments.has_error()) return segments.error();
   void* page_table = nullptr;
   if (paged) {
@@ -324,20 +336,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (num_sms.has_error()) return num_sms.error();
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
-  FwdArgs args{const_cast<void*>(q.untyped_data()),
-               const_cast<void*>(k.untyped_data()),
-               const_cast<void*>(v.untyped_data()),
-               out->untyped_data(),
-               lse->typed_data(),
-               static_cast<int32_t>(p.batch),
-               static_cast<int32_t>(p.seqlen_q),
-               static_cast<int32_t>(p.seqlen_k),
-               static_cast<int32_t>(p.heads),
-               static_cast<int32_t>(p.heads_kv),
-               softmax_scale * kLog2e,
-               band.lo,
-               band.hi,
-               SoftcapScale(softmax_scale, softcap)};
+  FwdArgs args = ForwardArgs(p, q.untyped_data(), k.untyped_data(), v.untyped_data(),
+                             out->untyped_data(), lse->typed_data(), softmax_scale, band,
+                             SoftcapScale(softmax_scale, softcap));
   args.num_splits = num_splits;
   args.split_batch = static_cast<int32_t>(p.batch * num_splits);
   args.o_part = out_part->typed_data();

@@ -123,20 +123,9 @@ ffi::Error Fp8Execute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (num_sms.has_error()) return num_sms.error();
 
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
-  FwdArgs args{const_cast<void*>(q.untyped_data()),
-               const_cast<void*>(k.untyped_data()),
-               const_cast<void*>(vt.untyped_data()),
-               out->untyped_data(),
-               lse->typed_data(),
-               static_cast<int32_t>(p.batch),
-               static_cast<int32_t>(p.seqlen_q),
-               static_cast<int32_t>(p.seqlen_k),
-               static_cast<int32_t>(p.heads),
-               static_cast<int32_t>(p.heads_kv),
-               softmax_scale * kLog2e,
-               band.lo,
-               band.hi,
-               1.0f};
+  FwdArgs args = ForwardArgs(p, q.untyped_data(), k.untyped_data(), vt.untyped_data(),
+                             out->untyped_data(), lse->typed_data(), softmax_scale, band,
+                             1.0f);
   args.num_splits = 1;
   args.split_batch = static_cast<int32_t>(p.batch);
   args.unpack_group = 1;

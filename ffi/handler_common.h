@@ -173,6 +173,30 @@ inline ffi::ErrorOr<int32_t> PrepareForwardLaunch(const std::string& where,
   return num_sms;
 }
 
+// The fields every forward launch fills: its buffers, sizes (`p`: a handler's problem),
+// the softmax scale in log2 units, the band and the softcap scale; the others stay zero
+// for the handler to set.
+template <typename Problem>
+FwdArgs ForwardArgs(const Problem& p, const void* q, const void* k, const void* v, void* o,
+                    float* lse, float softmax_scale, const Band& band, float softcap_scale) {
+  FwdArgs args{};
+  args.q = const_cast<void*>(q);
+  args.k = const_cast<void*>(k);
+  args.v = const_cast<void*>(v);
+  args.o = o;
+  args.lse = lse;
+  args.batch = static_cast<int32_t>(p.batch);
+  args.seqlen_q = static_cast<int32_t>(p.seqlen_q);
+  args.seqlen_k = static_cast<int32_t>(p.seqlen_k);
+  args.heads = static_cast<int32_t>(p.heads);
+  args.heads_kv = static_cast<int32_t>(p.heads_kv);
+  args.scale_log2 = softmax_scale * kLog2e;
+  args.band_lo = band.lo;
+  args.band_hi = band.hi;
+  args.softcap_scale = softcap_scale;
+  return args;
+}
+
 // A launch adapter's status (0 or a cudaError_t) and any launch error the wrapper did not
 // return, which cudaGetLastError reports.
 inline ffi::Error LaunchResult(const std::string& where, int32_t ret) {
