@@ -65,7 +65,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
 from cutlass.tensor_utils import LayoutEnum
 
-from kernels.config import BwdConfig
+from kernels.config import CONSUMER_REGS, PRODUCER_REGS, BwdConfig
 from kernels.sm90 import mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import LOG2_E
@@ -74,8 +74,6 @@ WARPGROUP = 128
 WARP = 32
 VEC = 8  # 16-bit values per 16-byte access
 KEYS_PER_CONSUMER = 64
-PRODUCER_REGS = 24
-CONSUMER_REGS = 240
 DTYPES = {"bf16": BFloat16, "fp16": Float16}
 QUAD = 4  # fp32 dQ accumulator values per 16-byte access
 
@@ -530,7 +528,7 @@ class BwdSm90:
                     self.dq_writer(storage.sdQ.data_ptr(), gmem, run, walk, warp - 1,
                                    tidx % WARP)
         else:
-            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            cute.arch.setmaxregister_increase(CONSUMER_REGS[self.consumers])
             self.mma(gmem, run, walk, smem, storage, q_consumer, do_consumer, wg - 1,
                      tidx % WARPGROUP, warp)
 
