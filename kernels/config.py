@@ -67,7 +67,9 @@ class Tile:
     blocks with the previous tile's last blocks and epilogue; `q_stages` Q buffers let
     the next Q land while the current tile runs (2 where shared memory allows).
     `ctas_per_sm`: CTAs resident on one SM (consumer_regs), so that a second CTA's loads
-    run while one computes; shared memory must hold them all."""
+    run while one computes; shared memory must hold them all. `q_registers`: Q is
+    loaded once into registers as the A operand of Q K^T, which then reads only K from
+    shared memory (16-bit q only)."""
 
     m: int
     n: int
@@ -77,6 +79,7 @@ class Tile:
     schedule: str = "tile"
     q_stages: int = 1
     ctas_per_sm: int = 1
+    q_registers: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -147,8 +150,19 @@ _SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
                      128: dict(n=64, ctas_per_sm=2)}
 # float8-KV split kernels (kv_dtype): the bf16 split tiles, with float8 rings of
 # kv_stages blocks and one converted bf16 K and V block (smem at d128: Q 16 + rings 2 x
-# 16 + 32 KB, two CTAs per SM), changed here per head dim.
+# 16 + 32 KB, two CTAs per SM), changed here per head dim. Converting V under the Q K^T
+# wgmma (K first, then the GEMM, then V; one more barrier) against both before it: d128
+# decode batch 1 at 128k keys 1.015-1.030, paged 0.97-0.98, batch 64 0.99-1.01 (H100,
+# 2026-11-27, alternated twice in one call); not kept.
 _KV_FP8_SPLIT = {}
+# Split tiles reading a dense cache (not paged), changed here per head dim. Q in
+# registers (Q K^T reads only K from shared memory; ncu had shared memory at 71% in
+# the float8-KV batch-1 step), against Q from shared memory, decode steps at d128, 32 /
+# 8 heads (H100, 2026-11-27, alternated twice in one call): float8 K/V batch 1 at 8k /
+# 128k keys 1.01-1.04 / 1.02-1.03, batch 64 at 128k 1.03-1.04; bf16 K/V 1.02 / 1.00,
+# batch 64 1.00. Paged: bf16 0.99-1.00, float8 0.96-0.99 (ptxas spills 8 bytes in its
+# float8 kernel); d64 bf16 at batch 32 over 1088 keys 0.985-0.995: neither takes it.
+_SPLIT_DENSE = {128: dict(q_registers=True)}
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
                       schedule="static", q_stages=2),
@@ -201,6 +215,9 @@ _TILES = {
 #   - Without a mask, persistent CTAs in static order with two Q stages, against one CTA
 #     per tile: d128 1.09-1.10 / 1.04-1.05 / 1.03, d256 1.05 / 1.02 / 1.01. Causal keeps
 #     one CTA per tile (a static order cannot balance tiles of unequal length).
+#   - d128 without a mask, blocks of 192 / 224 keys against 128 (2k / 4k / 16k; second
+#     run that day): 192 0.99-1.00 / 0.99 / 1.01-1.02, 224 (32-byte swizzle on V^T's
+#     224-byte rows) 0.94-0.95 / 0.98-0.99 / 0.99-1.01. Not kept.
 _FP8_TILES = {
     (head_dim, banded): Tile(m=128, n=128, kv_stages=2, rescale_threshold=4.0,
                              schedule="tile" if banded else "static",
@@ -342,6 +359,8 @@ class FwdConfig(_KernelConfig):
                                        **_SPLIT_TWO_PER_SM.get(self.head_dim, {}))
             if self.kv_dtype:
                 tile = dataclasses.replace(tile, **_KV_FP8_SPLIT.get(self.head_dim, {}))
+            if not self.paged:
+                tile = dataclasses.replace(tile, **_SPLIT_DENSE.get(self.head_dim, {}))
             return tile
         return _TILES[(self.head_dim, self.banded)]
 
@@ -387,6 +406,12 @@ class BwdTile:
 # sits on the softmax's path. Q and dO rings of 4 stages at d64 and 3 at d96: 0.96-1.04
 # and 0.94-1.09, while the unchanged d128 cells of the same runs spread 0.88-1.03: no
 # gain above the noise. None kept.
+# d64 with one consumer of 64 keys and two CTAs per SM (232 registers a consumer thread;
+# H100, 2026-11-27, alternated twice in one call) against these tiles: atomic without a
+# mask 1.00-1.05 (512 / 2k / 8k / 16k), causal 0.98 / 1.02 / 0.84-0.87 / 0.50-0.51,
+# deterministic 0.68-0.96 (twice the key blocks: twice the dQ adds and turns, and every
+# Q and dO tile read by twice the CTAs). Not kept. At d128 one consumer takes all of
+# dQ's columns and ptxas serializes its wgmma (C7512).
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),

@@ -217,6 +217,8 @@ class FwdSm90:
         self.threads = WARPGROUP * (1 + self.consumers)
         self.ctas_per_sm = cfg.tile.ctas_per_sm
         self.consumer_regs = consumer_regs(self.consumers, self.ctas_per_sm)
+        self.q_registers = cfg.tile.q_registers
+        assert not (self.q_registers and self.fp8)
         # Paged variants (one tile per CTA) load V from a second producer warp: their
         # key blocks are many small TMA copies (16-key pieces), whose coordinates kept
         # one warp issuing late (ncu: 5x the dense producer's instructions, consumers
@@ -759,6 +761,8 @@ class FwdSm90:
         thr_qk = self._qk_mma().get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))
+        if cutlass.const_expr(self.q_registers):
+            cute.autovec_copy(thr_qk.partition_A(sQc), tSrQ)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         s_shape = thr_qk.partition_shape_C((CONSUMER_ROWS, tile_n))
@@ -1068,9 +1072,11 @@ class FwdSm90:
     # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _qk_mma(self):
         k_major = OperandMajorMode.K
+        q_source = (warpgroup.OperandSource.RMEM if self.q_registers
+                    else warpgroup.OperandSource.SMEM)
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1),
-            (CONSUMER_ROWS, self.tile_n),
+            (CONSUMER_ROWS, self.tile_n), q_source,
         )
 
     def _pv_mma(self):

@@ -20,7 +20,9 @@
 # heads 4.6, large 0.4; 2026-11-27, HEAD's kernels built anew (11c3ece8): core 4.6
 # (1827), features 7.2 (505), heads 4.6 (319), large 0.4 (10); with the e4m3 forwards
 # (f52174d4): core 4.4, large 0.4, heads 4.3 (334); with the float8-KV forwards
-# (d2c48104): core 5.3 (1827), large 0.4 (10), features 7.4 (505), heads 4.6 (353).
+# (d2c48104): core 5.3 (1827), large 0.4 (10), features 7.4 (505), heads 4.6 (353);
+# with Q in registers in the d128 split tiles (e25ff426): core 4.6, large 0.4,
+# features 6.2, heads 4.6.
 # multi on 4 x H100 (2026-11-26): 1.5 minutes (14 passed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
