@@ -153,7 +153,9 @@ _SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
 # 16 + 32 KB, two CTAs per SM), changed here per head dim. Converting V under the Q K^T
 # wgmma (K first, then the GEMM, then V; one more barrier) against both before it: d128
 # decode batch 1 at 128k keys 1.015-1.030, paged 0.97-0.98, batch 64 0.99-1.01 (H100,
-# 2026-11-27, alternated twice in one call); not kept.
+# 2026-11-27, alternated twice in one call); not kept. Again with Q in registers
+# (_SPLIT_DENSE, same day, same method): batch 1 at 8k / 128k 0.99 / 0.98-0.99, paged
+# 0.97-1.00, batch 64 0.97; not kept.
 _KV_FP8_SPLIT = {}
 # Split tiles reading a dense cache (not paged), changed here per head dim. Q in
 # registers (Q K^T reads only K from shared memory; ncu had shared memory at 71% in
