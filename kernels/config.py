@@ -222,7 +222,7 @@ _TILES = {
 #     224-byte rows) 0.94-0.95 / 0.98-0.99 / 0.99-1.01. Not kept.
 #   - FlashAttention-4's exp2 on the FMA units (e77e4be's cubic) for k of every 8
 #     probabilities, where the e4m3 tile's exp2 is as long as its wgmma (1k / 4k / 16k;
-#     third run that day): d128 k = 1 0.99-1.01 / 0.99-1.00 / 0.98-0.99, causal k = 2
+#     third run that day): d128 k = 1 1.00-1.01 / 0.99-1.00 / 0.98-0.99, causal k = 2
 #     0.97-0.98 / 0.97 / 0.97-0.98; d64 k = 2 0.96-0.97 / 0.97-0.98 / 0.98-0.99, causal
 #     k = 3 0.95-0.97 / 0.95 / 0.94-0.95. Not kept: issue slots, not MUFU, bind here too.
 _FP8_TILES = {
