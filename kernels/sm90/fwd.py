@@ -951,11 +951,13 @@ class FwdSm90:
                 self._store_final(tiles, gmem.final, lse, run, walk, tidx)
             else:
                 self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
-                self._store_partial(tiles, gmem.o[1], run, walk)
+                self._store_direct(tiles, tiles.acc_o, gmem.o[1], run, walk)
         else:
             self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
             if cutlass.const_expr(self.fp8):
-                self._store_o_direct(tiles, gmem.o[1], run, walk)
+                r_o = cute.make_rmem_tensor_like(tiles.acc_o, self.out_dtype)
+                r_o.store(tiles.acc_o.load().to(self.out_dtype))
+                self._store_direct(tiles, r_o, gmem.o[1], run, walk)
             else:
                 self._store_o(tiles, gmem.o, walk, tidx, warp)
 
@@ -995,30 +997,17 @@ class FwdSm90:
             cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
-    def _store_o_direct(self, tiles, mO, run: Scalars, walk: Walk):
-        """O in out_dtype straight from the accumulator into mO (Sq, Dv, H, B), each
-        thread its own column pairs; rows past Sq are skipped (float8 variants)."""
+    def _store_direct(self, tiles, values, mO, run: Scalars, walk: Walk):
+        """`values` (the O accumulator's layout: fp32 partials of split variants, or O in
+        out_dtype of float8 variants) straight into mO (Sq, Dv, H, B), each thread its
+        own elements; rows past Sq are skipped."""
         coord_o, row0, head, batch = tiles.coord_o, tiles.row0, walk.head, walk.out_batch
-        r_o = cute.make_rmem_tensor_like(tiles.acc_o, self.out_dtype)
-        r_o.store(tiles.acc_o.load().to(self.out_dtype))
-        o_rc = rows_cols(r_o)
+        values_rc = rows_cols(values)
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = row0 + coord_o[r, 0][0]
             if row < run.seqlen_q:
-                for col in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):
-                    mO[row, coord_o[r, col][1], head, batch] = o_rc[r, col]
-
-    @cute.jit
-    def _store_partial(self, tiles, mO, run: Scalars, walk: Walk):
-        """A split's fp32 O straight from the accumulator into mO (Sq, Dv, H, B * splits),
-        each thread its own elements; rows past Sq are skipped."""
-        coord_o, row0, head, batch = tiles.coord_o, tiles.row0, walk.head, walk.out_batch
-        acc_rc = rows_cols(tiles.acc_o)
-        for r in cutlass.range_constexpr(ROWS_PER_THREAD):
-            row = row0 + coord_o[r, 0][0]
-            if row < run.seqlen_q:
-                for col in cutlass.range_constexpr(cute.size(acc_rc, mode=[1])):
-                    mO[row, coord_o[r, col][1], head, batch] = acc_rc[r, col]
+                for col in cutlass.range_constexpr(cute.size(values_rc, mode=[1])):
+                    mO[row, coord_o[r, col][1], head, batch] = values_rc[r, col]
 
     @cute.jit
     def _store_final(self, tiles, final, lse, run: Scalars, walk: Walk, tidx: Int32):
