@@ -225,11 +225,18 @@ _TILES = {
 #     third run that day): d128 k = 1 1.00-1.01 / 0.99-1.00 / 0.98-0.99, causal k = 2
 #     0.97-0.98 / 0.97 / 0.97-0.98; d64 k = 2 0.96-0.97 / 0.97-0.98 / 0.98-0.99, causal
 #     k = 3 0.95-0.97 / 0.95 / 0.94-0.95. Not kept: issue slots, not MUFU, bind here too.
+#   - d128 without a mask, three consumers (m=192) with 96-key blocks (at 128 keys the
+#     scores and O leave ptxas short of registers, C7512), against two of 128 x 128:
+#     1.00 / 1.07 / 1.06-1.07 (H100, 2026-11-27, alternated twice in one call; 980 ->
+#     1040 TFLOP/s at 16k). ncu had shown the two-consumer tile with no unit saturated
+#     (tensor 50%, MUFU 54%, issue 41%, 0.52 eligible warps per scheduler): a third
+#     chain of GEMM and softmax feeds both. Kept.
 _FP8_TILES = {
     (head_dim, banded): Tile(m=128, n=128, kv_stages=2, rescale_threshold=4.0,
                              schedule="tile" if banded else "static",
                              q_stages=1 if banded else 2)
     for head_dim in FP8_HEAD_DIMS for banded in (False, True)}
+_FP8_TILES[(128, False)] = dataclasses.replace(_FP8_TILES[(128, False)], m=192, n=96)
 _DYNAMIC_BANDED = {
     head_dim: dataclasses.replace(tile, pingpong=False, schedule="dynamic",
                                   q_stages=1 if head_dim == 256 else 2)
