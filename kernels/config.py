@@ -206,9 +206,11 @@ _TILES = {
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
-# float8: fp8 wgmma takes 32 keys per k-step, so blocks are multiples of 32 keys; two
-# consumers with ping-pong. Shared memory (1 byte a value): d128 Q 16 + K 2 x 16 + V 2 x
-# 16 = 80 KB; d256 32 + 64 + 64 = 160 KB (a second Q stage: + 16 / 32 KB). Measured on
+# float8: fp8 wgmma takes 32 keys per k-step, so blocks are multiples of 32 keys;
+# consumers with ping-pong, two (d128 without a mask: three, below). Shared memory (1
+# byte a value): d128 Q 16 + K 2 x 16 + V 2 x 16 = 80 KB (three consumers with 96-key
+# blocks: 24 + 2 x 12 + 2 x 12 = 72 KB); d256 32 + 64 + 64 = 160 KB (a second Q stage:
+# + 16 / 24 / 32 KB). Measured on
 # the H100 on 2026-11-27 (alternated twice in one call; forward at 1k / 4k / 16k tokens):
 #   - Conditional rescaling at 4 log2 units (P then takes 2^4 in place of 2^8 as its
 #     offset: fwd.py FP8_P_LOG2_MAX), against rescaling on every growth: d128 1.01-1.03

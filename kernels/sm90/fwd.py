@@ -760,9 +760,10 @@ class FwdSm90:
         pv_mma = self._pv_mma()
         thr_qk = self._qk_mma().get_slice(tidx)
         thr_pv = pv_mma.get_slice(tidx)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQc))
+        tSsQ = thr_qk.partition_A(sQc)
+        tSrQ = thr_qk.make_fragment_A(tSsQ)
         if cutlass.const_expr(self.q_registers):
-            cute.autovec_copy(thr_qk.partition_A(sQc), tSrQ)
+            cute.autovec_copy(tSsQ, tSrQ)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))
         tOrV = thr_pv.make_fragment_B(thr_pv.partition_B(sV))
         s_shape = thr_qk.partition_shape_C((CONSUMER_ROWS, tile_n))
