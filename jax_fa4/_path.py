@@ -102,6 +102,13 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
         return spec
     if spec.pack_gqa:
         heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size
+    # Rows that fit the decode tile (keys as the wgmma's M) run it where it was built.
+    decode = _kernel_select.fwd_kernel(dataclasses.replace(spec, split_kernel=True,
+                                                           keys_as_m=True))
+    keys_as_m = (_split_kv.KEYS_AS_M and decode is not None
+                 and seqlen_q <= decode["tile_m"])
+    if keys_as_m:
+        split = decode
     ctas = batch * heads * -(-seqlen_q // split["tile_m"])
     key_blocks = -(-seqlen_k // split["tile_n"])
     splits = _split_kv.num_splits(ctas, key_blocks,
@@ -109,7 +116,7 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
     if splits == 1 and not always and not _split_kv.split_kernel_unsplit(
             seqlen_q, key_blocks, split["tile_m"]):
         return spec
-    return dataclasses.replace(spec, split_kernel=True, num_splits=splits)
+    return dataclasses.replace(spec, split_kernel=True, num_splits=splits, keys_as_m=keys_as_m)
 
 
 def sm_count() -> int:

@@ -71,6 +71,9 @@ class AttentionSpec:
     # and for decode-shaped calls even with one run.
     split_kernel: bool = False
     num_splits: int = 1
+    # The split kernel's decode tile (keys as the wgmma's M, a few query rows as its N):
+    # chosen by `_path` where the rows fit it and it was built.
+    keys_as_m: bool = False
     # Paged K/V (`_paged`): the forward reads k and v as caches of pages through a page
     # table (the segment kernel's paged variant); inference only, set by `_paged`.
     paged: bool = False
@@ -89,6 +92,8 @@ class AttentionSpec:
             raise ValueError(f"num_splits must be an int >= 1; got {self.num_splits!r}")
         if self.num_splits > 1 and not self.split_kernel:
             raise ValueError("num_splits > 1 needs split_kernel")
+        if self.keys_as_m and not self.split_kernel:
+            raise ValueError("keys_as_m needs split_kernel")
 
     @classmethod
     def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
@@ -207,10 +212,10 @@ class AttentionSpec:
         unbounded; causal is a right side of 0), top_left -> i1 (ffi/handler_common.h
         MakeBand), softcap -> f32 (0: none), split_kernel -> i1 (the banded kernel's
         split variant) and num_splits -> i32 (its runs per tile), kv_float8 -> i1 (float8
-        K/V and a descale operand)."""
+        K/V and a descale operand), keys_as_m -> i1 (the split kernel's decode tile)."""
         return {**self._band_attributes(self.banded or self.split_kernel),
                 "split_kernel": self.split_kernel, "num_splits": np.int32(self.num_splits),
-                "kv_float8": self.kv_float8}
+                "kv_float8": self.kv_float8, "keys_as_m": self.keys_as_m}
 
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's band attributes

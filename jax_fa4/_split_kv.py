@@ -36,6 +36,10 @@ FILL = 0.8
 # kernel then still after it).
 DECODE_SHAPED = True
 DECODE_MIN_BLOCKS = 4
+# Split calls whose rows (pack-GQA's included) fit the keys-as-M decode tile
+# (kernels/sm90/fwd_keys_m.py: the keys as the wgmma's M, at most its tile_m rows as N)
+# run it where it was built, in place of the 64-row split tile.
+KEYS_AS_M = True
 
 
 # The float8-KV split kernels convert each block in the consumer before its GEMMs, so

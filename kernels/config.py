@@ -87,7 +87,8 @@ class Tile:
 
     @property
     def consumers(self) -> int:
-        return self.m // 64
+        """Consumer warpgroups: one per 64 rows (the keys-as-M tile's few rows: one)."""
+        return max(1, self.m // 64)
 
 
 # Tiles per (head_dim, banded). Shared memory (bf16) is Q m*D*q_stages + (K + V)
@@ -165,6 +166,14 @@ _KV_FP8_SPLIT = {}
 # batch 64 1.00. Paged: bf16 0.99-1.00, float8 0.96-0.99 (ptxas spills 8 bytes in its
 # float8 kernel); d64 bf16 at batch 32 over 1088 keys 0.985-0.995: neither takes it.
 _SPLIT_DENSE = {128: dict(q_registers=True)}
+# The keys-as-M decode tile (kernels/sm90/fwd_keys_m.py): KEYS_AS_M_ROWS query rows as
+# the wgmma's N, 64-key blocks as its M, one consumer, two CTAs per SM as the split
+# tiles it stands in for (so the split count is theirs).
+KEYS_AS_M_ROWS = 8
+KEYS_AS_M_HEAD_DIMS = (128,)
+_KEYS_AS_M_TILES = {kv_dtype: Tile(m=KEYS_AS_M_ROWS, n=64, kv_stages=2, pingpong=False,
+                                    ctas_per_sm=2)
+                    for kv_dtype in (None, *KV_FP8_DTYPES)}
 _TILES = {
     (64, False): Tile(m=192, n=128, kv_stages=2, rescale_threshold=_RESCALE,
                       schedule="static", q_stages=2),
@@ -277,6 +286,10 @@ class _KernelConfig:
     paged: bool = False
     # K and V dtype when it differs from q's (KV_FP8_DTYPES; None: dtype).
     kv_dtype: str | None = None
+    # The decode tile of split variants (kernels/sm90/fwd_keys_m.py): each block's keys
+    # as the wgmma's M and the tile's KEYS_AS_M_ROWS query rows as its N; calls whose
+    # rows fit run it, the others the 64-row split tile.
+    keys_as_m: bool = False
 
     kind = ""
 
@@ -313,6 +326,11 @@ class _KernelConfig:
             raise ValueError("split-KV and paged K/V are forward variants")
         if self.paged and not self.segments:
             raise ValueError("paged kernels are segment variants (they take lengths)")
+        if self.keys_as_m and not (self.split and self.head_dim in KEYS_AS_M_HEAD_DIMS
+                                   and self.head_dim_v == self.head_dim and not (
+                                       self.softcap or self.segments or self.paged)):
+            raise ValueError(f"keys_as_m tiles are split forwards at head dims "
+                             f"{KEYS_AS_M_HEAD_DIMS} without softcap, segments or pages")
 
     @property
     def name(self) -> str:
@@ -323,6 +341,7 @@ class _KernelConfig:
         seg += "_split" if self.split else ""
         seg += "_paged" if self.paged else ""
         seg += f"_kv_{self.kv_dtype}" if self.kv_dtype else ""
+        seg += "_keysm" if self.keys_as_m else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
                                       else "")
         return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
@@ -342,6 +361,7 @@ class _KernelConfig:
             "split": self.split,
             "paged": self.paged,
             "kv_dtype": self.kv_dtype or self.dtype,
+            "keys_as_m": self.keys_as_m,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
             "ctas_per_sm": getattr(self.tile, "ctas_per_sm", 1),
@@ -368,6 +388,8 @@ class FwdConfig(_KernelConfig):
         so that one's loads run while the other computes; see there."""
         if self.dtype in FP8_DTYPES:
             return _FP8_TILES[(self.head_dim, self.banded)]
+        if self.keys_as_m:
+            return _KEYS_AS_M_TILES[self.kv_dtype]
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         if self.split:
@@ -477,6 +499,10 @@ FWD_MANIFEST += tuple(FwdConfig(dtype="bf16", kv_dtype=kv, head_dim=h, banded=Tr
                                 segments=seg, split=True, paged=paged)
                       for kv in KV_FP8_DTYPES for h in KV_FP8_HEAD_DIMS
                       for seg, paged in ((False, False), (True, False), (True, True)))
+FWD_MANIFEST += tuple(FwdConfig(dtype=d, kv_dtype=kv, head_dim=h, banded=True, split=True,
+                                keys_as_m=True)
+                      for d, kv in (("bf16", None), ("bf16", "e4m3"))
+                      for h in KEYS_AS_M_HEAD_DIMS)
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)

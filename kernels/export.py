@@ -220,6 +220,7 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
     from cutlass.cutlass_dsl.cutlass import CuTeDSL
 
     from kernels.sm90.fwd import DTYPES, OUT_DTYPES, FwdSm90
+    from kernels.sm90.fwd_keys_m import FwdKeysAsM
 
     # Without a GPU, export JIT-links the host stub against symbols of the DSL runtime
     # that only a loaded driver would otherwise provide: load them globally first.
@@ -228,7 +229,8 @@ def compile_one(cfg: Config, out_dir: str, keep: str | None = None) -> float:
 
     t0 = time.time()
     if cfg.kind == "fwd":
-        kernel, scalars = FwdSm90(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0),
+        kind = FwdKeysAsM if cfg.keys_as_m else FwdSm90
+        kernel, scalars = kind(cfg), (Float32(1.0), Int32(0), Int32(0), Float32(1.0),
                                          Int32(1), Int32(1), Int32(1))
     else:
         from kernels.sm90.bwd import BwdSm90
@@ -381,13 +383,13 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
             dtypes = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16", "e4m3": "Dtype::kE4M3"}
             dtype, kv_dtype = dtypes[cfg.dtype], dtypes[cfg.kv_dtype or cfg.dtype]
             dynamic = kind == "fwd" and cfg.tile.schedule == "dynamic"
-            banded, softcap, segments, split, paged, dynamic = (
+            banded, softcap, segments, split, paged, dynamic, keys_as_m = (
                 "true" if flag else "false"
                 for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged,
-                             dynamic))
+                             dynamic, cfg.keys_as_m))
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {kv_dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
-                f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, '
+                f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, {keys_as_m}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'ctas_per_sm', 1)}, "
                 f"{getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )

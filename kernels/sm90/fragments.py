@@ -1,6 +1,7 @@
 """Register-fragment views for sm90 warpgroup MMA (wgmma) accumulators.
 
-A wgmma m64nNk16 accumulator holds, per thread, the layout ((2, 2, N/8), MMA_M, MMA_N):
+A wgmma m64nNk16 accumulator holds, per thread, the layout ((2, 2, N/8), MMA_M, MMA_N)
+(((2, 2), MMA_M, MMA_N) at N = 8):
 mode (0,0) steps one column, mode (0,1) steps 8 rows, mode (0,2) steps 8 columns. The
 4 threads of a quad (lanes 4k..4k+3) share the same two rows.
 """
@@ -10,8 +11,10 @@ import cutlass.cute as cute
 
 def rows_cols(t: cute.Tensor) -> cute.Tensor:
     """View an accumulator-shaped tensor (values or coordinates) as (rows, cols)."""
-    (v_col, v_row, v_blk), mma_m, mma_n = t.layout.shape
-    (d_col, d_row, d_blk), s_m, s_n = t.layout.stride
+    (values, mma_m, mma_n), (strides, s_m, s_n) = t.layout.shape, t.layout.stride
+    if len(values) == 2:  # N = 8: one 8-column block
+        values, strides = (*values, 1), (*strides, 0)
+    (v_col, v_row, v_blk), (d_col, d_row, d_blk) = values, strides
     layout = cute.make_layout(
         ((v_row, mma_m), (v_col, v_blk, mma_n)),
         stride=((d_row, s_m), (d_col, d_blk, s_n)),

@@ -98,6 +98,8 @@ class Barrier(enum.IntEnum):
     EPILOGUE = 4  # consumer c's threads before its TMA store of O
     TILE_START = 7  # consumer 0 has begun a tile (_start_turns)
     DEQUANT = 8  # kv_dtype variants' consumer around its K/V conversion (dequant.py)
+    COLUMNS = 9  # keys-as-M tile: the warps' column maxima and sums (fwd_keys_m.py)
+    P_STORED = 10  # keys-as-M tile: P^T is in shared memory for O^T += V^T P^T
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -171,11 +173,13 @@ class Smem:
     kv_stages), sV (Dv, tile_n, kv_stages); paged variants' `appended`, the mbarrier the
     append warp arrives on once its rows are in the cache (FwdSm90._append).
     `loads`: the (K, V) rings TMA fills, shaped as sK and sV: sK and sV themselves, or in
-    kv_dtype variants float8 rings, while sK and sV hold one converted block each."""
+    kv_dtype variants float8 rings, while sK and sV hold one converted block each.
+    `scratch`: what a subclass's consumer keeps besides (FwdSm90._scratch; None here)."""
 
-    def __init__(self, sQ, sK, sV, appended=None, loads=None):
+    def __init__(self, sQ, sK, sV, appended=None, loads=None, scratch=None):
         self.sQ, self.sK, self.sV, self.appended = sQ, sK, sV, appended
         self.loads = (sK, sV) if loads is None else loads
+        self.scratch = scratch
 
 
 class FwdSm90:
@@ -215,6 +219,8 @@ class FwdSm90:
         self.rescale_threshold = cfg.tile.rescale_threshold
         assert not self.fp8 or (self.rescale_threshold or 0) <= FP8_P_LOG2_MAX
         self.threads = WARPGROUP * (1 + self.consumers)
+        # Query rows of one Q buffer (one consumer's): a wgmma M here.
+        self.q_rows = CONSUMER_ROWS
         self.ctas_per_sm = cfg.tile.ctas_per_sm
         self.consumer_regs = consumer_regs(self.consumers, self.ctas_per_sm)
         self.q_registers = cfg.tile.q_registers
@@ -281,9 +287,7 @@ class FwdSm90:
             vt = cute.make_tensor(mV.iterator, cute.select(mV.layout, mode=[3, 1, 2, 0]))
         lse = cute.make_tensor(lse_dst.iterator, cute.select(lse_dst.layout, mode=[2, 1, 0]))
 
-        qk_tiler = (CONSUMER_ROWS, self.tile_n, d)
-        sQ_layout = sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, dt,
-                                                  self.q_stages * self.consumers)
+        sQ_layout = self._q_smem_layout()
         # The wgmma's K and V buffers: the rings, or one converted block (kv_fp8).
         sK_layout, sV_layout = self._kv_layouts(dt, 1 if self.kv_fp8 else self.kv_stages)
         loadK_layout, loadV_layout = sK_layout, sV_layout
@@ -295,7 +299,7 @@ class FwdSm90:
         sV_one = cute.slice_(loadV_layout, (None, None, 0))
 
         load = cpasync.CopyBulkTensorTileG2SOp()
-        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (CONSUMER_ROWS, d))
+        tma_atom_q, tma_q = cpasync.make_tiled_tma_atom(load, q, sQ_one, (self.q_rows, d))
         if cutlass.const_expr(self.paged):
             # One TMA box per PAGE_ROWS keys, each from its own page.
             k_pieces, v_pieces = paged.piece_layouts(self.kv_dtype, d, dv, 1)
@@ -326,7 +330,7 @@ class FwdSm90:
             k_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             v_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             sQ=aligned(dt, sQ_layout), sK=aligned(dt, sK_layout),
-            sV=aligned(self.pv_dtype, sV_layout))
+            sV=aligned(self.pv_dtype, sV_layout), **self._scratch_fields())
         if cutlass.const_expr(self.kv_fp8):
             fields.update(loadK=aligned(self.kv_dtype, loadK_layout),
                           loadV=aligned(self.kv_dtype, loadV_layout))
@@ -446,7 +450,7 @@ class FwdSm90:
                     (tma_atom_o, tma_o), mLSE, final, mDescale)
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k,
                       num_splits)
-        smem = Smem(sQ, sK, sV, appended, loads)
+        smem = Smem(sQ, sK, sV, appended, loads, self._scratch(storage))
         # What _walk needs besides the tile.
         launch = (run, gmem, (mRows, mKeys, mPlan, paged_tensors))
         extent_x = cute.ceil_div(seqlen_q, self.tile_m)
@@ -598,7 +602,7 @@ class FwdSm90:
         m_block, head, batch, seg = walk.m_block, walk.head, walk.batch, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
         d = self.head_dim
-        gQ = cute.local_tile(tma_q[None, None, head, batch], (CONSUMER_ROWS, d), (None, 0))
+        gQ = cute.local_tile(tma_q[None, None, head, batch], (self.q_rows, d), (None, 0))
         if cutlass.const_expr("q" in parts):
             q_producer = self._load_q(tma_atom_q, gQ, sQ, m_block, q_producer)
         if n_end > n_begin:
@@ -749,7 +753,7 @@ class FwdSm90:
         m_block, seg = walk.m_block, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
         masked_end, masked_begin = walk.masked_end, walk.masked_begin
-        scale_log2, softcap_scale = run.scale_log2, run.softcap_scale
+        softcap_scale = run.softcap_scale
         dv, tile_n = self.head_dim_v, self.tile_n
         q_handle = q_consumer.wait_and_advance()
         sQc = sQ[None, None, q_handle.index * self.consumers + c]
@@ -770,12 +774,7 @@ class FwdSm90:
         acc_o = thr_pv.make_fragment_C(thr_pv.partition_shape_C((CONSUMER_ROWS, dv)))
         acc_o.fill(0.0)
         coord_s = rows_cols(thr_qk.partition_C(cute.make_identity_tensor((CONSUMER_ROWS, tile_n))))
-        v_descale = Float32(1.0)
-        if cutlass.const_expr(self.descaled):
-            kv_head = mask.kv_head(walk.head, gmem.q[1].shape[2], gmem.k[1].shape[2])
-            scale_log2 = (scale_log2 * gmem.descale[0, 0, kv_head]
-                          * gmem.descale[0, 1, kv_head])
-            v_descale = gmem.descale[0, 2, kv_head]
+        scale_log2, v_descale = self._scales(gmem, run, walk)
         softmax = OnlineSoftmax.create(scale_log2, ROWS_PER_THREAD, self.rescale_threshold,
                                        self._p_offset())
         o_scale = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
@@ -867,6 +866,18 @@ class FwdSm90:
         if warp % 4 == 0:
             q_handle.release()
         return q_consumer, k_consumer, v_consumer
+
+    @cute.jit
+    def _scales(self, gmem: Gmem, run: Scalars, walk: Walk):
+        """(scale_log2, v_descale) of the walk's head: the softmax scale in base 2 and
+        the factor of out, times its K/V head's descales in float8 variants."""
+        scale_log2, v_descale = run.scale_log2, Float32(1.0)
+        if cutlass.const_expr(self.descaled):
+            kv_head = mask.kv_head(walk.head, gmem.q[1].shape[2], gmem.k[1].shape[2])
+            scale_log2 = (scale_log2 * gmem.descale[0, 0, kv_head]
+                          * gmem.descale[0, 1, kv_head])
+            v_descale = gmem.descale[0, 2, kv_head]
+        return scale_log2, v_descale
 
     @cute.jit
     def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, tiles,
@@ -1088,6 +1099,20 @@ class FwdSm90:
                                               (CONSUMER_ROWS, self.tile_n, d), dtype, stages),
                 sm90_utils.make_smem_layout_b(v_major, (CONSUMER_ROWS, dv, self.tile_n),
                                               dtype, stages))
+
+    def _q_smem_layout(self):
+        """The Q ring (q_rows, D, q_stages * consumers): Q as the A operand of Q K^T."""
+        qk_tiler = (CONSUMER_ROWS, self.tile_n, self.head_dim)
+        return sm90_utils.make_smem_layout_a(LayoutEnum.ROW_MAJOR, qk_tiler, self.dtype,
+                                             self.q_stages * self.consumers)
+
+    def _scratch_fields(self) -> dict:
+        """Shared-memory fields a subclass's consumer adds to the storage struct."""
+        return {}
+
+    def _scratch(self, storage):
+        """Smem.scratch: views of _scratch_fields in the allocated storage."""
+        return None
 
     def _o_smem_layout(self):
         """One consumer's O tile (CONSUMER_ROWS, Dv) in shared memory, for the TMA store."""

@@ -47,14 +47,14 @@ class OnlineSoftmax:
         self.rescale_threshold = rescale_threshold
         self.p_offset = p_offset
 
-    @staticmethod
-    def create(scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None,
+    @classmethod
+    def create(cls, scale_log2: Float32, num_rows: int, rescale_threshold: float | None = None,
                p_offset: float = 0.0) -> "OnlineSoftmax":
         row_max = cute.make_rmem_tensor((num_rows,), Float32)
         row_sum = cute.make_rmem_tensor((num_rows,), Float32)
         row_max.fill(-Float32.inf)
         row_sum.fill(0.0)
-        return OnlineSoftmax(scale_log2, row_max, row_sum, rescale_threshold, p_offset)
+        return cls(scale_log2, row_max, row_sum, rescale_threshold, p_offset)
 
     # The DSL carries objects through dynamic control flow by their IR values.
     def __extract_mlir_values__(self):
@@ -62,36 +62,42 @@ class OnlineSoftmax:
 
     def __new_from_mlir_values__(self, values):
         parts = cutlass.new_from_mlir_values((self.scale_log2, self.row_max, self.row_sum), values)
-        return OnlineSoftmax(*parts, self.rescale_threshold, self.p_offset)
+        return type(self)(*parts, self.rescale_threshold, self.p_offset)
 
     @cute.jit
     def step(self, s_rc: cute.Tensor, o_scale: cute.Tensor):
         """Turn the scores `s_rc` (rows, cols) into probabilities in place and write the
         per-row factor the output accumulator must be multiplied by."""
         for r in cutlass.range_constexpr(self.num_rows):
-            m_old = self.row_max[r]
-            m = m_old
+            m = self.row_max[r]
             for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
                 m = cute.arch.fmax(m, s_rc[r, c])
-            m = _quad_allreduce(m, cute.arch.fmax)
-            if cutlass.const_expr(self.rescale_threshold is not None):
-                # False from -inf (m_old - m_old is NaN): the first finite max is taken.
-                keep = (m - m_old) * self.scale_log2 <= self.rescale_threshold
-                m = cutlass.select_(keep, m_old, m)
-            m_scaled = cutlass.select_(m == -Float32.inf, Float32(0.0), m * self.scale_log2)
-            scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
-            if cutlass.const_expr(self.p_offset != 0.0):
-                m_scaled = m_scaled - self.p_offset  # o_scale above is a ratio: unchanged
-            if cutlass.const_expr(self.rescale_threshold is not None):
-                scale = cutlass.select_(keep, Float32(1.0), scale)
-            o_scale[r] = scale
-            self.row_max[r] = m
-            total = Float32(0.0)
-            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
-                p = cute.math.exp2(s_rc[r, c] * self.scale_log2 - m_scaled, fastmath=True)
-                s_rc[r, c] = p
-                total = total + p
-            self.row_sum[r] = self.row_sum[r] * scale + total
+            self._update(r, _quad_allreduce(m, cute.arch.fmax), s_rc, o_scale)
+
+    @cute.jit
+    def _update(self, r: cutlass.Constexpr, m: Float32, s_rc: cute.Tensor,
+                o_scale: cute.Tensor):
+        """Row r, given m = max(its running max, its scores' max): the new running max,
+        o_scale[r], the probabilities in place and the partial sum."""
+        m_old = self.row_max[r]
+        if cutlass.const_expr(self.rescale_threshold is not None):
+            # False from -inf (m_old - m_old is NaN): the first finite max is taken.
+            keep = (m - m_old) * self.scale_log2 <= self.rescale_threshold
+            m = cutlass.select_(keep, m_old, m)
+        m_scaled = cutlass.select_(m == -Float32.inf, Float32(0.0), m * self.scale_log2)
+        scale = cute.math.exp2(m_old * self.scale_log2 - m_scaled, fastmath=True)
+        if cutlass.const_expr(self.p_offset != 0.0):
+            m_scaled = m_scaled - self.p_offset  # o_scale above is a ratio: unchanged
+        if cutlass.const_expr(self.rescale_threshold is not None):
+            scale = cutlass.select_(keep, Float32(1.0), scale)
+        o_scale[r] = scale
+        self.row_max[r] = m
+        total = Float32(0.0)
+        for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+            p = cute.math.exp2(s_rc[r, c] * self.scale_log2 - m_scaled, fastmath=True)
+            s_rc[r, c] = p
+            total = total + p
+        self.row_sum[r] = self.row_sum[r] * scale + total
 
     @staticmethod
     def needs_rescale(o_scale: cute.Tensor):
@@ -106,10 +112,44 @@ class OnlineSoftmax:
         """Per row: 1 / sum (0 for a row with no visible key) and the natural-log LSE
         (-inf for such a row)."""
         for r in cutlass.range_constexpr(self.num_rows):
-            total = _quad_allreduce(self.row_sum[r], lambda a, b: a + b)
-            empty = total == Float32(0.0)
-            safe = cutlass.select_(empty, Float32(1.0), total)
-            inv_sum[r] = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(safe))
-            log_sum = (self.row_max[r] * self.scale_log2 + cute.math.log2(safe, fastmath=True)
-                       - self.p_offset) * LN2
-            lse[r] = cutlass.select_(empty, -Float32.inf, log_sum)
+            self._finish(r, _quad_allreduce(self.row_sum[r], lambda a, b: a + b), inv_sum, lse)
+
+    @cute.jit
+    def _finish(self, r: cutlass.Constexpr, total: Float32, inv_sum: cute.Tensor,
+                lse: cute.Tensor):
+        """Row r's 1 / sum and LSE from its whole sum `total`."""
+        empty = total == Float32(0.0)
+        safe = cutlass.select_(empty, Float32(1.0), total)
+        inv_sum[r] = cutlass.select_(empty, Float32(0.0), cute.arch.rcp_approx(safe))
+        log_sum = (self.row_max[r] * self.scale_log2 + cute.math.log2(safe, fastmath=True)
+                   - self.p_offset) * LN2
+        lse[r] = cutlass.select_(empty, -Float32.inf, log_sum)
+
+
+class ColumnSoftmax(OnlineSoftmax):
+    """The online softmax of a transposed block S^T (keys x query rows: the keys-as-M
+    decode tile, kernels/sm90/fwd_keys_m.py), called with the thread's scores viewed as
+    (its query columns, its keys): "rows" here are query columns. A column's keys are
+    spread over 8 lanes of each of the warpgroup's 4 warps, so its max and sum reduce
+    through `columns` (fwd_keys_m.ColumnExchange: shuffles, then shared memory), once for
+    all of the thread's columns."""
+
+    @cute.jit
+    def step(self, s_rc: cute.Tensor, o_scale: cute.Tensor, columns):
+        m = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            m[r] = self.row_max[r]
+            for c in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
+                m[r] = cute.arch.fmax(m[r], s_rc[r, c])
+        columns.allreduce(m, cute.arch.fmax)
+        for r in cutlass.range_constexpr(self.num_rows):
+            self._update(r, m[r], s_rc, o_scale)
+
+    @cute.jit
+    def finalize(self, inv_sum: cute.Tensor, lse: cute.Tensor, columns):
+        total = cute.make_rmem_tensor((self.num_rows,), Float32)
+        for r in cutlass.range_constexpr(self.num_rows):
+            total[r] = self.row_sum[r]
+        columns.allreduce(total, lambda a, b: a + b)
+        for r in cutlass.range_constexpr(self.num_rows):
+            self._finish(r, total[r], inv_sum, lse)

@@ -55,7 +55,7 @@ def test_decode_lowers_to_the_split_kernel(built):
     """Batch 1, 32 query / 8 KV heads, 8k keys: pack-GQA gives 8 CTAs, so 16 splits of
     the banded kernel with fp32 partials (batch, split, ...) as workspace results, and
     q, out and lse in the caller's layout (the kernel reads q's group as rows, the
-    combine unpacks out and lse)."""
+    combine unpacks out and lse); its 4 rows per K/V head take the keys-as-M tile."""
     if _path.sm_count() != 132:
         pytest.skip("the expected split count assumes 132 SMs")
     q, kv = sds(1, 1, 32, 128), sds(1, 8192, 8, 128)
@@ -66,6 +66,7 @@ def test_decode_lowers_to_the_split_kernel(built):
     assert operands.startswith("tensor<1x1x32x128xbf16>, "), operands
     assert "transpose" not in text
     assert "banded = true" in attrs and "num_splits = 16 : i32" in attrs, attrs
+    assert "keys_as_m = true" in attrs, attrs
     assert "unpack_group = 4 : i32" in attrs and "q_heads_as_rows = true" in attrs, attrs
     # out, lse, the tile counter, then the partials of the packed rows (the 4 query
     # heads of each KV head).

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _paged
+from jax_fa4 import _paged, _split_kv
 
 pytestmark = pytest.mark.gpu
 
@@ -94,6 +94,33 @@ def test_kv_float8_sinks(fa):
     out, lse = fn(q, k, v)
     fa.assert_attention("kv float8 sinks", out, lse, q, _dequantized(k, kd),
                         _dequantized(v, None), causal=True, sinks=sinks)
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+def test_kv_float8_keys_as_m_tile(fa, monkeypatch, batch):
+    """Decode steps whose rows fit the keys-as-M tile (32 / 8 heads: 4 rows) run it, with
+    several splits (batch 1) or one (batch 64): against the rule, and within an output
+    rounding of the 64-row split tile."""
+    q, k, v = _inputs(8 + batch, batch, 1, 6000 + 13, 32, 8, 128)
+    kd, vd = _descale("head", 8, 3), _descale("head", 8, 4)
+
+    def jitted():  # traced afresh: the tile is chosen while tracing
+        return jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, k_descale=kd, v_descale=vd,
+                                                         return_lse=True))
+
+    fn = jitted()
+    assert "keys_as_m = true" in fn.lower(q, k, v).as_text()
+    out, lse = fn(q, k, v)
+    fa.assert_attention("kv float8 keys as M", out, lse, q, _dequantized(k, kd),
+                        _dequantized(v, vd), causal=False)
+    monkeypatch.setattr(_split_kv, "KEYS_AS_M", False)
+    fn = jitted()
+    assert "keys_as_m = false" in fn.lower(q, k, v).as_text()
+    out64, lse64 = fn(q, k, v)
+    ulp = float(jnp.finfo(jnp.bfloat16).eps) * float(jnp.max(jnp.abs(out64.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(out64, np.float32),
+                               atol=2 * ulp, rtol=0)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse64), rtol=2e-6, atol=2e-6)
 
 
 def test_kv_float8_split_is_deterministic():

@@ -136,6 +136,29 @@ def test_decode_shapes_that_fill_the_gpu_run_one_split(fa, monkeypatch, head_dim
     _assert_near_unsplit(name, out, lse, whole, lse_whole)
 
 
+@pytest.mark.parametrize("batch,sq,causal", [(1, 1, False), (1, 1, True), (2, 2, False),
+                                             (64, 1, False)])
+def test_keys_as_m_tile_matches_the_64_row_tile(fa, monkeypatch, batch, sq, causal):
+    """Decode rows that fit the keys-as-M tile (Sq x group <= its 8 rows, no segment
+    variant: packed causal rows of several positions take the segment kernel) run it,
+    with several splits or (batch 64) one: against the rule, bitwise stable, and within
+    an output rounding of the 64-row split tile with the same splits."""
+    seed = zlib.crc32(repr(("keys as M", batch, sq, causal)).encode())
+    q, k, v, *_ = fa.problem(seed, "bfloat16", batch, sq, SEQLEN_K, HEADS, HEADS_KV, 128)
+    spec = _api._plan(q, k, v, causal=causal, softmax_scale=None, return_lse=True,
+                      implementation="cute")
+    assert spec.split_kernel and spec.keys_as_m, spec
+    out, lse, splits = _run(q, k, v, dict(causal=causal))
+    fa.assert_attention(f"keys as M b{batch} sq{sq}", out, lse, q, k, v, causal=causal)
+    again, lse_again, _ = _run(q, k, v, dict(causal=causal))
+    assert np.array_equal(np.asarray(out), np.asarray(again)), "out not stable"
+    assert np.array_equal(np.asarray(lse), np.asarray(lse_again)), "lse not stable"
+    monkeypatch.setattr(_split_kv, "KEYS_AS_M", False)
+    rows64, lse64, splits64 = _run(q, k, v, dict(causal=causal))
+    assert splits64 == splits
+    _assert_near_unsplit("keys as M vs 64 rows", out, lse, rows64, lse64)
+
+
 @functools.partial(jax.jit, static_argnames=("causal",))
 def _vjp(q, k, v, dout, dlse, causal):
     attn = functools.partial(jax_fa4.attention, causal=causal, return_lse=True,

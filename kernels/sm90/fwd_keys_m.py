@@ -1,0 +1,315 @@
+"""The split forward's decode tile: each block's keys as the wgmma's M, the tile's query
+rows as its N.
+
+The split tile of kernels/sm90/fwd.py holds a decode step's rows (a group's g query
+heads: 4 for 32 / 8 heads) in a 64-row wgmma, so per 64-key block the tensor cores do
+16x the useful work. Here both products are turned around, so that the few rows are the
+small N (Tile.m, 8) and the block's 64 keys the M:
+
+    S^T (keys x N) = K Q^T     A = K (keys x D, K-major) and B = Q (N x D), shared memory
+    O^T (Dv x N) += V^T P^T    A = V^T read M-major from the V buffer (Dv / 64 wgmma of
+                               M = 64), B = P^T (keys x N) from shared memory
+
+The softmax runs down the columns of S^T (softmax.ColumnSoftmax): a column's 64 keys lie
+in 8 lanes of each of the 4 warps, whose maxima (and in the end sums) meet in shared
+memory (ColumnExchange). P^T goes to one of two buffers: the O^T product of one block
+reads one while the softmax of the next fills the other. Per block that is two named
+barriers (the column maxima, P^T stored) and 8x less tensor-core work than the 64-row
+tile.
+
+The rest is the split kernel's (FwdSm90): the producer and rings (float8 K/V converted
+by dequant.py into the 16-bit K and V buffers), the walk over key blocks from the last
+down, the band's masking on the transposed block (mask.mask_block_kq), the fp32
+partials or, with one split, the caller's out and lse.
+"""
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.tensor_utils import LayoutEnum
+
+from kernels.sm90 import mask, wgmma
+from kernels.sm90.fragments import convert, rows_cols
+from kernels.sm90.fwd import (CONSUMER_ROWS, WARPGROUP, Barrier, FwdSm90, Gmem, Scalars,
+                              Walk, _Tiles)
+from kernels.sm90.softmax import ColumnSoftmax
+
+KEYS = CONSUMER_ROWS  # keys per block: one wgmma M
+WARPS = WARPGROUP // 32
+P_STAGES = 2  # P^T buffers: one read by O^T += V^T P^T while the next is written
+
+
+def cols_rows(t: cute.Tensor) -> cute.Tensor:
+    """An accumulator-shaped tensor as (cols, rows): rows_cols transposed."""
+    rc = rows_cols(t)
+    return cute.make_tensor(rc.iterator, cute.select(rc.layout, mode=[1, 0]))
+
+
+class ColumnExchange:
+    """Reduces values of the thread's query columns over the warpgroup: `cols`, the
+    column of each value (cols_rows' rows of the thread's accumulator); `red` (WARPS, N)
+    fp32 in shared memory; `ctid`, the thread's index in the warpgroup."""
+
+    def __init__(self, red, cols, ctid):
+        self.red, self.cols, self.ctid = red, cols, ctid
+
+    @cute.jit
+    def allreduce(self, values: cute.Tensor, op):
+        """values[r] = op over the warpgroup's values of column cols[r], in a fixed
+        order (butterflies over the 8 lanes, then warps 0 to 3): every thread gets the
+        same bits. The next call's writes to `red` come after a barrier of the caller's
+        (P^T stored, or the end of the walk), which every read here precedes."""
+        for r in cutlass.range_constexpr(cute.size(values)):
+            v = values[r]
+            for offset in (4, 8, 16):
+                v = op(v, cute.arch.shuffle_sync_bfly(v, offset=offset))
+            values[r] = v
+        red, cols = self.red, self.cols
+        warp, lane = self.ctid // 32, self.ctid % 32
+        if lane < 4:
+            for r in cutlass.range_constexpr(cute.size(values)):
+                red[warp, cols[r]] = values[r]
+        pipeline.NamedBarrier(Barrier.COLUMNS, WARPGROUP).arrive_and_wait()
+        for r in cutlass.range_constexpr(cute.size(values)):
+            v = red[0, cols[r]]
+            for w in cutlass.range_constexpr(1, WARPS):
+                v = op(v, red[w, cols[r]])
+            values[r] = v
+
+
+class FwdKeysAsM(FwdSm90):
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        assert self.split and not (self.paged or self.segments or self.softcap or self.fp8)
+        assert self.consumers == 1 and self.tile_n == KEYS and not self.q_registers
+        assert self.tile_m % 8 == 0 and self.head_dim_v % KEYS == 0
+        self.q_rows = self.tile_m
+
+    def _q_smem_layout(self):
+        """The Q ring (N, D, q_stages): Q as the B operand of S^T = K Q^T."""
+        return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
+                                             (KEYS, self.tile_m, self.head_dim), self.dtype,
+                                             self.q_stages)
+
+    def _p_smem_layout(self):
+        """P^T (N, keys, P_STAGES) as the B operand of O^T += V^T P^T, N contiguous: a
+        thread's two adjacent columns of one key are one 32-bit store."""
+        return sm90_utils.make_smem_layout_b(LayoutEnum.COL_MAJOR,
+                                             (KEYS, self.tile_m, self.tile_n), self.pv_dtype,
+                                             P_STAGES)
+
+    def _scratch_fields(self) -> dict:
+        p_layout = self._p_smem_layout()
+        return dict(
+            sP=cute.struct.Align[cute.struct.MemRange[self.pv_dtype, cute.cosize(p_layout)],
+                                 1024],
+            red=cute.struct.MemRange[Float32, WARPS * self.tile_m])
+
+    def _scratch(self, storage):
+        p_layout = self._p_smem_layout()
+        return (storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner),
+                storage.red.get_tensor(cute.make_layout((WARPS, self.tile_m))))
+
+    # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
+    def _st_mma(self):
+        k_major = OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(
+            self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1),
+            (KEYS, self.tile_m), warpgroup.OperandSource.SMEM)
+
+    def _ot_mma(self):
+        mn_major = OperandMajorMode.MN
+        return sm90_utils.make_trivial_tiled_mma(
+            self.pv_dtype, self.pv_dtype, mn_major, mn_major, Float32, (1, 1, 1),
+            (KEYS, self.tile_m), warpgroup.OperandSource.SMEM)
+
+    @cute.jit
+    def mma_softmax_epilogue(self, gmem: Gmem, run: Scalars, walk: Walk, smem, q_consumer,
+                             k_consumer, v_consumer, c, tidx, warp):
+        """The one consumer: S^T = K Q^T, the column softmax and O^T += V^T P^T over the
+        walk's key blocks (the last visited first; _block_step per block after it),
+        then out and LSE to the walk's out_batch; returns the advanced ring consumers."""
+        sP, red = smem.scratch
+        n, dv, tile_n = self.tile_m, self.head_dim_v, self.tile_n
+        n_begin, n_end = walk.n_begin, walk.n_end
+        q_handle = q_consumer.wait_and_advance()
+        thr_st = self._st_mma().get_slice(tidx)
+        thr_ot = self._ot_mma().get_slice(tidx)
+        acc_o = thr_ot.make_fragment_C(thr_ot.partition_shape_C((dv, n)))
+        acc_o.fill(0.0)
+        # Each value's (key, query row) in the block.
+        coord_s = rows_cols(thr_st.partition_C(cute.make_identity_tensor((tile_n, n))))
+        cols = [coord_s[0, j][1] for j in range(cute.size(coord_s, mode=[1]))]
+        scale_log2, v_descale = self._scales(gmem, run, walk)
+        tiles = _Tiles(
+            thr_st=thr_st, s_shape=thr_st.partition_shape_C((tile_n, n)),
+            tSrK=thr_st.make_fragment_A(thr_st.partition_A(smem.sK)),
+            tSrQ=thr_st.make_fragment_B(thr_st.partition_B(smem.sQ[None, None,
+                                                                  q_handle.index])),
+            tOrV=thr_ot.make_fragment_A(thr_ot.partition_A(smem.sV)),
+            tOrP=thr_ot.make_fragment_B(thr_ot.partition_B(sP)), sP=sP, acc_o=acc_o,
+            coord_s=coord_s, columns=ColumnExchange(red, cols, tidx),
+            softmax=ColumnSoftmax.create(scale_log2, len(cols), self.rescale_threshold),
+            o_scale=cute.make_rmem_tensor((len(cols),), Float32),
+            row0=walk.m_block * self.tile_m, n_end=n_end, v_descale=v_descale, smem=smem,
+            c=c, ctid=tidx)
+
+        if n_end > n_begin:
+            # First visited block: S^T and softmax only; its O^T product runs in the next
+            # step.
+            acc_s = thr_st.make_fragment_C(tiles.s_shape)
+            k_handle = k_consumer.wait_and_advance()
+            k_at, _ = self._operands(tiles, k_handle, None)
+            wgmma.gemm(self._st_mma(), acc_s, tiles.tSrK[None, None, None, k_at], tiles.tSrQ,
+                       True)
+            warpgroup.wait_group(0)
+            self._release(k_handle)
+            self._softmax(True, n_end - 1, acc_s, tiles, run)
+            self._store_p(acc_s, tiles, 0)
+            # Downwards: the rest of the top masked blocks, the whole ones, and the ones
+            # the band's left edge cuts.
+            masked_end, masked_begin = walk.masked_end, walk.masked_begin
+            for i in cutlass.range(masked_end - 1, unroll=1):
+                k_consumer, v_consumer = self._block_step(
+                    True, n_end - 2 - i, tiles, run, k_consumer, v_consumer)
+            n_whole_top = n_end - masked_end - 1
+            for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
+                k_consumer, v_consumer = self._block_step(
+                    False, n_whole_top - i, tiles, run, k_consumer, v_consumer)
+            for i in cutlass.range(masked_begin, unroll=1):
+                k_consumer, v_consumer = self._block_step(
+                    True, n_begin + masked_begin - 1 - i, tiles, run, k_consumer, v_consumer)
+
+            # O^T product of the last visited block.
+            self._rescale_columns(acc_o, tiles.o_scale)
+            v_handle = v_consumer.wait_and_advance()
+            _, v_at = self._operands(tiles, None, v_handle)
+            wgmma.gemm(self._ot_mma(), acc_o, tiles.tOrV[None, None, None, v_at],
+                       tiles.tOrP[None, None, None, (n_end - n_begin - 1) % P_STAGES], False)
+            warpgroup.wait_group(0)
+            self._release(v_handle)
+
+        self._epilogue(tiles, thr_ot, gmem, run, walk)
+        # The Q stage is free once every warp is past its last S^T product.
+        pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
+        if warp % 4 == 0:
+            q_handle.release()
+        return q_consumer, k_consumer, v_consumer
+
+    @cute.jit
+    def _block_step(self, is_masked: cutlass.Constexpr, n_block, tiles, run: Scalars,
+                    k_consumer, v_consumer):
+        """S^T_j = K_j Q^T and O^T += V_{j+1}^T P_{j+1}^T on the tensor cores, the
+        softmax of S^T_j overlapping the second (j = n_block; P_{j+1}^T in the buffer of
+        its visit); returns the advanced ring consumers."""
+        visit = tiles.n_end - 1 - n_block
+        acc_s = tiles.thr_st.make_fragment_C(tiles.s_shape)
+        k_handle = k_consumer.wait_and_advance()
+        v_handle = None
+        if cutlass.const_expr(self.kv_fp8):  # both blocks are converted before either GEMM
+            v_handle = v_consumer.wait_and_advance()
+        k_at, v_at = self._operands(tiles, k_handle, v_handle)
+        wgmma.gemm(self._st_mma(), acc_s, tiles.tSrK[None, None, None, k_at], tiles.tSrQ, True)
+        self._rescale_columns(tiles.acc_o, tiles.o_scale)
+        if cutlass.const_expr(not self.kv_fp8):
+            v_handle = v_consumer.wait_and_advance()
+            v_at = v_handle.index
+        wgmma.gemm(self._ot_mma(), tiles.acc_o, tiles.tOrV[None, None, None, v_at],
+                   tiles.tOrP[None, None, None, (visit + 1) % P_STAGES], False)
+        warpgroup.wait_group(1)
+        self._release(k_handle)
+        self._softmax(is_masked, n_block, acc_s, tiles, run)
+        warpgroup.wait_group(0)
+        self._release(v_handle)
+        self._store_p(acc_s, tiles, visit % P_STAGES)
+        return k_consumer, v_consumer
+
+    @cute.jit
+    def _softmax(self, is_masked: cutlass.Constexpr, n_block, acc_s, tiles, run: Scalars):
+        """The band's masking of block n_block (is_masked), then the column softmax: the
+        probabilities in place of the scores, the columns' O^T factors in o_scale."""
+        if cutlass.const_expr(is_masked):
+            mask.mask_block_kq(rows_cols(acc_s), tiles.coord_s, n_block * self.tile_n,
+                               tiles.row0, run.seqlen_k, run.band_lo, run.band_hi,
+                               self.banded)
+        tiles.softmax.step(cols_rows(acc_s), tiles.o_scale, tiles.columns)
+
+    @cute.jit
+    def _store_p(self, acc_s, tiles, stage):
+        """P^T of the block into buffer `stage`, visible to the next O^T product. The
+        product that last read that buffer was waited for by every warp before the
+        previous block's barrier here."""
+        r_p = cute.make_rmem_tensor(acc_s.layout, self.pv_dtype)
+        convert(acc_s, r_p, piece=cute.size(acc_s))
+        cute.autovec_copy(r_p, tiles.thr_st.partition_C(
+            wgmma.transposed(tiles.sP[None, None, stage])))
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(Barrier.P_STORED, WARPGROUP).arrive_and_wait()
+
+    @cute.jit
+    def _rescale_columns(self, acc, col_scale):
+        acc_cr = cols_rows(acc)
+        for q in cutlass.range_constexpr(cute.size(acc_cr, mode=[0])):
+            for r in cutlass.range_constexpr(cute.size(acc_cr, mode=[1])):
+                acc_cr[q, r] = acc_cr[q, r] * col_scale[q]
+
+    @cute.jit
+    def _epilogue(self, tiles, thr_ot, gmem: Gmem, run: Scalars, walk: Walk):
+        """O^T / column sums and the columns' LSE, to the walk's out_batch: the fp32
+        partials, or with one split the caller's out (in dtype) and lse, unpacking
+        pack-GQA's rows as FwdSm90._store_final does. Rows past Sq are skipped; the
+        LSE is written by the 4 threads whose columns cover all N."""
+        cols = tiles.columns.cols
+        inv_sum = cute.make_rmem_tensor((len(cols),), Float32)
+        lse = cute.make_rmem_tensor((len(cols),), Float32)
+        tiles.softmax.finalize(inv_sum, lse, tiles.columns)
+        if cutlass.const_expr(self.descaled):
+            for q in cutlass.range_constexpr(len(cols)):
+                inv_sum[q] = inv_sum[q] * tiles.v_descale
+        self._rescale_columns(tiles.acc_o, inv_sum)
+        # Each value's (head dim, query row).
+        coord_o = thr_ot.partition_C(cute.make_identity_tensor((self.head_dim_v, self.tile_m)))
+        if run.num_splits == 1:
+            self._store_final_columns(tiles, coord_o, lse, gmem.final, run, walk)
+        else:
+            self._store_partial_columns(tiles, coord_o, lse, gmem.o[1], gmem.mLSE, run, walk)
+
+    @cute.jit
+    def _store_final_columns(self, tiles, coord_o, lse, final, run: Scalars, walk: Walk):
+        """The one split's O (in dtype) and LSE into the caller's out (B, Sq / g, H * g,
+        Dv) and lse (B, H * g, Sq / g), as FwdSm90._store_final."""
+        out, out_lse, group = final
+        cols, row0, head = tiles.columns.cols, tiles.row0, walk.head
+        r_o = cute.make_rmem_tensor_like(tiles.acc_o, self.dtype)
+        r_o.store(tiles.acc_o.load().to(self.dtype))
+        for i in cutlass.range_constexpr(cute.size(r_o)):
+            row = row0 + coord_o[i][1]
+            if row < run.seqlen_q:
+                position = row // group
+                q_head = head * group + (row - position * group)
+                out[walk.batch, position, q_head, coord_o[i][0]] = r_o[i]
+        if tiles.ctid < 4:
+            for q in cutlass.range_constexpr(len(cols)):
+                row = row0 + cols[q]
+                if row < run.seqlen_q:
+                    position = row // group
+                    out_lse[walk.batch, head * group + (row - position * group),
+                            position] = lse[q]
+
+    @cute.jit
+    def _store_partial_columns(self, tiles, coord_o, lse, mO, mLSE, run: Scalars, walk: Walk):
+        """This split's fp32 O into mO (Sq, Dv, H, B) and its LSE into mLSE (Sq, H, B)."""
+        cols, row0, head, batch = tiles.columns.cols, tiles.row0, walk.head, walk.out_batch
+        acc_o = tiles.acc_o
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            row = row0 + coord_o[i][1]
+            if row < run.seqlen_q:
+                mO[row, coord_o[i][0], head, batch] = acc_o[i]
+        if tiles.ctid < 4:
+            for q in cutlass.range_constexpr(len(cols)):
+                row = row0 + cols[q]
+                if row < run.seqlen_q:
+                    mLSE[row, head, batch] = lse[q]
