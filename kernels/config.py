@@ -156,7 +156,9 @@ _SPLIT_TWO_PER_SM = {64: dict(n=64, ctas_per_sm=2), 96: dict(ctas_per_sm=2),
 # decode batch 1 at 128k keys 1.015-1.030, paged 0.97-0.98, batch 64 0.99-1.01 (H100,
 # 2026-11-27, alternated twice in one call); not kept. Again with Q in registers
 # (_SPLIT_DENSE, same day, same method): batch 1 at 8k / 128k 0.99 / 0.98-0.99, paged
-# 0.97-1.00, batch 64 0.97; not kept.
+# 0.97-1.00, batch 64 0.97; not kept. Three / four float8 stages (same day, same
+# method): batch 1 at 128k 1.03-1.05 / 1.03, at 8k 0.96-0.98 / 0.93, paged 0.98-1.01,
+# batch 64 1.02 / 1.01; not kept (decode rows now take the keys-as-M tile, below).
 _KV_FP8_SPLIT = {}
 # Split tiles reading a dense cache (not paged), changed here per head dim. Q in
 # registers (Q K^T reads only K from shared memory; ncu had shared memory at 71% in
@@ -168,7 +170,14 @@ _KV_FP8_SPLIT = {}
 _SPLIT_DENSE = {128: dict(q_registers=True)}
 # The keys-as-M decode tile (kernels/sm90/fwd_keys_m.py): KEYS_AS_M_ROWS query rows as
 # the wgmma's N, 64-key blocks as its M, one consumer, two CTAs per SM as the split
-# tiles it stands in for (so the split count is theirs).
+# tiles it stands in for (so the split count is theirs). Against those 64-row tiles,
+# decode steps, 32 / 8 heads (H100, 2026-11-27, alternated twice in one call): d128
+# batch 1 at 8k / 128k keys, bf16 K/V 1.03-1.04 / 1.00, with kv_lengths 1.07 / 1.00,
+# paged 1.06-1.07 / 1.00; float8 K/V 1.07-1.08 / 1.04, paged 1.06-1.07 / 1.05; batch 64
+# at 128k bf16 1.00, float8 1.02-1.07, paged float8 1.05-1.07. d64 at batch 32 over
+# 1088 keys (the generation example's step) 0.985-0.988, with kv_lengths 0.994, paged
+# 1.00: d128 only. Four float8 K/V stages on top (rings 64 KB; two CTAs still fit):
+# 128k 0.98, paged 0.98, batch 64 0.99-1.04; not kept.
 KEYS_AS_M_ROWS = 8
 KEYS_AS_M_HEAD_DIMS = (128,)
 _KEYS_AS_M_TILES = {kv_dtype: Tile(m=KEYS_AS_M_ROWS, n=64, kv_stages=2, pingpong=False,
@@ -327,10 +336,9 @@ class _KernelConfig:
         if self.paged and not self.segments:
             raise ValueError("paged kernels are segment variants (they take lengths)")
         if self.keys_as_m and not (self.split and self.head_dim in KEYS_AS_M_HEAD_DIMS
-                                   and self.head_dim_v == self.head_dim and not (
-                                       self.softcap or self.segments or self.paged)):
+                                   and self.head_dim_v == self.head_dim and not self.softcap):
             raise ValueError(f"keys_as_m tiles are split forwards at head dims "
-                             f"{KEYS_AS_M_HEAD_DIMS} without softcap, segments or pages")
+                             f"{KEYS_AS_M_HEAD_DIMS} without softcap")
 
     @property
     def name(self) -> str:
@@ -500,9 +508,10 @@ FWD_MANIFEST += tuple(FwdConfig(dtype="bf16", kv_dtype=kv, head_dim=h, banded=Tr
                       for kv in KV_FP8_DTYPES for h in KV_FP8_HEAD_DIMS
                       for seg, paged in ((False, False), (True, False), (True, True)))
 FWD_MANIFEST += tuple(FwdConfig(dtype=d, kv_dtype=kv, head_dim=h, banded=True, split=True,
-                                keys_as_m=True)
+                                segments=seg, paged=paged, keys_as_m=True)
                       for d, kv in (("bf16", None), ("bf16", "e4m3"))
-                      for h in KEYS_AS_M_HEAD_DIMS)
+                      for h in KEYS_AS_M_HEAD_DIMS
+                      for seg, paged in ((False, False), (True, False), (True, True)))
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)

@@ -13,7 +13,8 @@ Math, per (batch b, head h), with runtime scale s (scale_log2 = s * log2(e)):
     O_s = its own softmax(s * S) V over its keys, in fp32, and LSE_s (0 and -inf when it
     sees no key), and a second kernel launched after it combines them into out and lse
     (kernels/sm90/combine.py); launched with one split (calls that fill the GPU), the
-    kernel writes out and lse itself and no combine runs. Paged variants (segment
+    kernel writes out and lse itself and no combine runs; calls whose rows fit 8 run the
+    keys-as-M tile instead (kernels/sm90/fwd_keys_m.py, a subclass). Paged variants (segment
     variants) read K and V in place from a cache of pages through a page table
     (kernels/sm90/paged.py).
 

@@ -18,9 +18,10 @@ barriers (the column maxima, P^T stored) and 8x less tensor-core work than the 6
 tile.
 
 The rest is the split kernel's (FwdSm90): the producer and rings (float8 K/V converted
-by dequant.py into the 16-bit K and V buffers), the walk over key blocks from the last
-down, the band's masking on the transposed block (mask.mask_block_kq), the fp32
-partials or, with one split, the caller's out and lse.
+by dequant.py into the 16-bit K and V buffers; paged variants' pages and appended
+rows), the walk over key blocks from the last down (segment variants: their plan), the
+masking of the transposed block (mask.mask_block_kq, or segments.mask_block with the
+keys along its rows), the fp32 partials or, with one split, the caller's out and lse.
 """
 
 import cutlass
@@ -31,7 +32,7 @@ from cutlass import Float32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum
 
-from kernels.sm90 import mask, wgmma
+from kernels.sm90 import mask, segments, wgmma
 from kernels.sm90.fragments import convert, rows_cols
 from kernels.sm90.fwd import (CONSUMER_ROWS, WARPGROUP, Barrier, FwdSm90, Gmem, Scalars,
                               Walk, _Tiles)
@@ -83,7 +84,7 @@ class ColumnExchange:
 class FwdKeysAsM(FwdSm90):
     def __init__(self, cfg):
         super().__init__(cfg)
-        assert self.split and not (self.paged or self.segments or self.softcap or self.fp8)
+        assert self.split and not (self.softcap or self.fp8)
         assert self.consumers == 1 and self.tile_n == KEYS and not self.q_registers
         assert self.tile_m % 8 == 0 and self.head_dim_v % KEYS == 0
         self.q_rows = self.tile_m
@@ -154,12 +155,13 @@ class FwdKeysAsM(FwdSm90):
             coord_s=coord_s, columns=ColumnExchange(red, cols, tidx),
             softmax=ColumnSoftmax.create(scale_log2, len(cols), self.rescale_threshold),
             o_scale=cute.make_rmem_tensor((len(cols),), Float32),
-            row0=walk.m_block * self.tile_m, n_end=n_end, v_descale=v_descale, smem=smem,
-            c=c, ctid=tidx)
+            row0=walk.m_block * self.tile_m, v_descale=v_descale, smem=smem, c=c, ctid=tidx)
 
         if n_end > n_begin:
             # First visited block: S^T and softmax only; its O^T product runs in the next
             # step.
+            seg = walk.seg
+            n_last, first_masked = self._first_block(n_end, seg)
             acc_s = thr_st.make_fragment_C(tiles.s_shape)
             k_handle = k_consumer.wait_and_advance()
             k_at, _ = self._operands(tiles, k_handle, None)
@@ -167,21 +169,37 @@ class FwdKeysAsM(FwdSm90):
                        True)
             warpgroup.wait_group(0)
             self._release(k_handle)
-            self._softmax(True, n_end - 1, acc_s, tiles, run)
+            if cutlass.const_expr(self.segments):
+                if first_masked != 0:
+                    self._mask(acc_s, n_last, tiles, run, seg)
+            else:
+                self._mask(acc_s, n_last, tiles, run, seg)
+            self._softmax(acc_s, tiles)
             self._store_p(acc_s, tiles, 0)
-            # Downwards: the rest of the top masked blocks, the whole ones, and the ones
-            # the band's left edge cuts.
-            masked_end, masked_begin = walk.masked_end, walk.masked_begin
-            for i in cutlass.range(masked_end - 1, unroll=1):
-                k_consumer, v_consumer = self._block_step(
-                    True, n_end - 2 - i, tiles, run, k_consumer, v_consumer)
-            n_whole_top = n_end - masked_end - 1
-            for i in cutlass.range(n_end - n_begin - masked_end - masked_begin, unroll=1):
-                k_consumer, v_consumer = self._block_step(
-                    False, n_whole_top - i, tiles, run, k_consumer, v_consumer)
-            for i in cutlass.range(masked_begin, unroll=1):
-                k_consumer, v_consumer = self._block_step(
-                    True, n_begin + masked_begin - 1 - i, tiles, run, k_consumer, v_consumer)
+            if cutlass.const_expr(self.segments):
+                for i in cutlass.range(1, n_end, unroll=1):
+                    n_block, masked = segments.visit(seg.plan_row, i)
+                    # The branch around the whole step, as FwdSm90's.
+                    if masked != 0:
+                        k_consumer, v_consumer = self._block_step(
+                            True, n_block, i, tiles, run, seg, k_consumer, v_consumer)
+                    else:
+                        k_consumer, v_consumer = self._block_step(
+                            False, n_block, i, tiles, run, seg, k_consumer, v_consumer)
+            else:
+                # Downwards: the rest of the top masked blocks, the whole ones, and the
+                # ones the band's left edge cuts; visit i is block n_end - 1 - i.
+                masked_end, masked_begin = walk.masked_end, walk.masked_begin
+                for i in cutlass.range(1, masked_end, unroll=1):
+                    k_consumer, v_consumer = self._block_step(
+                        True, n_end - 1 - i, i, tiles, run, seg, k_consumer, v_consumer)
+                for i in cutlass.range(masked_end, n_end - n_begin - masked_begin, unroll=1):
+                    k_consumer, v_consumer = self._block_step(
+                        False, n_end - 1 - i, i, tiles, run, seg, k_consumer, v_consumer)
+                for i in cutlass.range(n_end - n_begin - masked_begin, n_end - n_begin,
+                                       unroll=1):
+                    k_consumer, v_consumer = self._block_step(
+                        True, n_end - 1 - i, i, tiles, run, seg, k_consumer, v_consumer)
 
             # O^T product of the last visited block.
             self._rescale_columns(acc_o, tiles.o_scale)
@@ -200,12 +218,13 @@ class FwdKeysAsM(FwdSm90):
         return q_consumer, k_consumer, v_consumer
 
     @cute.jit
-    def _block_step(self, is_masked: cutlass.Constexpr, n_block, tiles, run: Scalars,
-                    k_consumer, v_consumer):
-        """S^T_j = K_j Q^T and O^T += V_{j+1}^T P_{j+1}^T on the tensor cores, the
-        softmax of S^T_j overlapping the second (j = n_block; P_{j+1}^T in the buffer of
-        its visit); returns the advanced ring consumers."""
-        visit = tiles.n_end - 1 - n_block
+    def _block_step(self, is_masked: cutlass.Constexpr, n_block, visit, tiles, run: Scalars,
+                    seg, k_consumer, v_consumer):
+        """Visit `visit` (>= 1), key block j = n_block: S^T_j = K_j Q^T and O^T +=
+        V^T P^T of the previous visit on the tensor cores, the softmax of S^T_j
+        overlapping the second (P^T of visit i is in buffer i % P_STAGES); returns the
+        advanced ring consumers. is_masked: element masking (segment variants: the plan
+        flags the block)."""
         acc_s = tiles.thr_st.make_fragment_C(tiles.s_shape)
         k_handle = k_consumer.wait_and_advance()
         v_handle = None
@@ -221,20 +240,30 @@ class FwdKeysAsM(FwdSm90):
                    tiles.tOrP[None, None, None, (visit + 1) % P_STAGES], False)
         warpgroup.wait_group(1)
         self._release(k_handle)
-        self._softmax(is_masked, n_block, acc_s, tiles, run)
+        if cutlass.const_expr(is_masked):
+            self._mask(acc_s, n_block, tiles, run, seg)
+        self._softmax(acc_s, tiles)
         warpgroup.wait_group(0)
         self._release(v_handle)
         self._store_p(acc_s, tiles, visit % P_STAGES)
         return k_consumer, v_consumer
 
     @cute.jit
-    def _softmax(self, is_masked: cutlass.Constexpr, n_block, acc_s, tiles, run: Scalars):
-        """The band's masking of block n_block (is_masked), then the column softmax: the
-        probabilities in place of the scores, the columns' O^T factors in o_scale."""
-        if cutlass.const_expr(is_masked):
-            mask.mask_block_kq(rows_cols(acc_s), tiles.coord_s, n_block * self.tile_n,
-                               tiles.row0, run.seqlen_k, run.band_lo, run.band_hi,
-                               self.banded)
+    def _mask(self, acc_s, n_block, tiles, run: Scalars, seg):
+        """Element masking of S^T for key block n_block: the band's, or, in segment
+        variants, the per-row ranges and ids'."""
+        key0 = n_block * self.tile_n
+        if cutlass.const_expr(self.segments):
+            segments.mask_block(rows_cols(acc_s), tiles.coord_s, tiles.row0, key0, seg.rows,
+                                seg.keys, seg.seqlen_q, run.seqlen_k, keys_along_rows=True)
+        else:
+            mask.mask_block_kq(rows_cols(acc_s), tiles.coord_s, key0, tiles.row0,
+                               run.seqlen_k, run.band_lo, run.band_hi, self.banded)
+
+    @cute.jit
+    def _softmax(self, acc_s, tiles):
+        """The column softmax of S^T: the probabilities in place of the scores, the
+        columns' O^T factors in o_scale."""
         tiles.softmax.step(cols_rows(acc_s), tiles.o_scale, tiles.columns)
 
     @cute.jit

@@ -208,13 +208,13 @@ def test_manifest_matches_kernel_config(expected_manifest):
     kinds = [entry["kind"] for entry in expected_manifest]
     # 40 split forwards, 24 paged ones (segment variants, head dims 64, 128, 256), 6
     # float8 ones (head dims 64, 128, 256, full and banded), 9 float8-KV ones (split:
-    # dense, segments, paged; head dims 64, 128, 256), 2 keys-as-M split tiles (bf16 at
-    # d128, bf16 and float8 K/V)
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (131, 50)
+    # dense, segments, paged; head dims 64, 128, 256), 6 keys-as-M split tiles (bf16
+    # and float8 K/V at head dim 128; dense, segments, paged)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (135, 50)
     assert sum(entry["dtype"] == "e4m3" for entry in expected_manifest) == 6
     assert sum(entry["kv_dtype"] == "e4m3" != entry["dtype"]
-               for entry in expected_manifest) == 10
-    assert sum(entry.get("keys_as_m", False) for entry in expected_manifest) == 2
+               for entry in expected_manifest) == 12
+    assert sum(entry.get("keys_as_m", False) for entry in expected_manifest) == 6
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):

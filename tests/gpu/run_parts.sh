@@ -22,7 +22,8 @@
 # (f52174d4): core 4.4, large 0.4, heads 4.3 (334); with the float8-KV forwards
 # (d2c48104): core 5.3 (1827), large 0.4 (10), features 7.4 (505), heads 4.6 (353);
 # with Q in registers in the d128 split tiles (e25ff426): core 4.6, large 0.4,
-# features 6.2, heads 4.6.
+# features 6.2, heads 4.6; with the keys-as-M decode tiles (854fdc7f): core 5.0 (1831),
+# large 0.4, features 7.0, heads 4.5 (355).
 # multi on 4 x H100 (2026-11-26): 1.5 minutes (14 passed).
 set -euo pipefail
 cd "$(dirname "$0")/../.."

@@ -10,7 +10,8 @@ forwards (kv_dtype e4m3) get their variant's call with k and v (and the caches) 
 and no varlen case (attention_varlen takes no float8). The
 segment kernels get one more call each, with runtime indices out of range (cu_seqlens past the packed length, decreasing
 or negative; lengths negative or past S), which the kernels must survive without an
-out-of-bounds access. Sizes are small (the sanitizers are slow) but leave partial tiles
+out-of-bounds access. The keys-as-M split tiles get decode steps (one position; no
+varlen case: its packed rows are no decode step). Sizes are small (the sanitizers are slow) but leave partial tiles
 and several query tiles and key blocks per problem, and the bands have masked edges.
 
     python tests/gpu/sanitize_calls.py              # run every call on the GPU, timed
@@ -43,6 +44,9 @@ from jax_fa4 import _ffi_calls, _float8, _kernel_select, _split_kv
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
 # gains too little to be chosen (_pack_gqa.worthwhile), so the plain kernels run.
 BATCH, SEQ_Q, SEQ_K, HEADS_Q, HEADS_KV = 2, 200, 300, 4, 2
+# The keys-as-M split tiles (8 query rows) take decode steps: one position, whose 2
+# query heads per KV head pack into 2 rows.
+DECODE_Q = 1
 # paged_attention: pages of PAGE keys, PAGES table entries per batch, a spare page.
 PAGE, PAGES = 32, 10
 # attention_varlen's packed lengths.
@@ -62,6 +66,7 @@ class Call:
     varlen: bool = False
     paged: bool = False  # paged_attention over a cache (operands builds it)
     deterministic: bool | None = None  # None: the forward alone; else jax.grad's dq mode
+    seq_q: int = SEQ_Q
 
     def __str__(self):
         mode = {None: "", False: ", grad atomic", True: ", grad deterministic"}
@@ -95,6 +100,14 @@ MAIN = {
          "cu_seqlens_k": np.array([0, 150, 190, 400, 580], np.int32)}, True),
 }
 
+# The main call of the keys-as-M variants (decode steps), without and with segments
+# (a band on packed rows takes the segment variant: no band without).
+DECODE_MAIN = {
+    False: ("decode, no mask", {}, {}, False),
+    True: ("decode, lengths, causal", {"causal": True},
+           {"kv_lengths": np.array([SEQ_K, 231], np.int32)}, False),
+}
+
 # Runtime indices out of range, for the segment kernels: each gets one, in turn. Any
 # int32 value is defined (attention's and attention_varlen's docs), and whatever the
 # caller passes, the kernels must stay inside their buffers.
@@ -119,6 +132,8 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
     result = []
     turn = {"fwd": 0, "bwd": 0}  # segment kernels so far, per kind: whose OUT_OF_RANGE is next
     for kernel in kernels:
+        decode = kernel.get("keys_as_m", False)
+        seq_q = DECODE_Q if decode else SEQ_Q
         if kernel.get("paged"):
             options = {"causal": True} | ({"softcap": SOFTCAP} if kernel["softcap"] else {})
             # Ids below 0 and past the cache, a length past the table, a negative one.
@@ -127,12 +142,13 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             table[0, 2], table[1, 9] = -3, 10 ** 6
             arrays = {"page_table": table, "kv_lengths": np.array([10 ** 6, 231], np.int32)}
             result.append((kernel, [Call(kernel, "paged cache, ids and lengths out of range",
-                                         options, arrays, paged=True)]))
+                                         options, arrays, paged=True, seq_q=seq_q)]))
             continue
-        cases = [MAIN[kernel["banded"], kernel["softcap"], kernel["segments"]]]
+        cases = [DECODE_MAIN[kernel["segments"]] if decode
+                 else MAIN[kernel["banded"], kernel["softcap"], kernel["segments"]]]
         if kernel["segments"]:
             float8_kv = kernel.get("kv_dtype", kernel["dtype"]) != kernel["dtype"]
-            choices = [c for c in OUT_OF_RANGE if not (float8_kv and c[2])]
+            choices = [c for c in OUT_OF_RANGE if not ((float8_kv or decode) and c[2])]
             case, arrays, varlen = choices[turn[kernel["kind"]] % len(choices)]
             turn[kernel["kind"]] += 1
             # A band as well, and the softcap that selects a softcap variant.
@@ -140,7 +156,8 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             cases.append((case, options, arrays, varlen))
         modes = (None,) if kernel["kind"] == "fwd" else (False, True)
         result.append((kernel, [
-            Call(kernel, case, _with_bounds(options, varlen), arrays, varlen, deterministic=mode)
+            Call(kernel, case, _with_bounds(options, varlen), arrays, varlen, deterministic=mode,
+                 seq_q=seq_q)
             for case, options, arrays, varlen in cases for mode in modes]))
     return result
 
@@ -159,10 +176,10 @@ def operands(call: Call):
         shapes = (TOTAL_Q, HEADS_Q, d), (TOTAL_K, HEADS_KV, d), (TOTAL_K, HEADS_KV, dv)
     elif call.paged:  # k and v are the caches
         pages = BATCH * PAGES + 1
-        shapes = ((BATCH, SEQ_Q, HEADS_Q, d), (pages, PAGE, HEADS_KV, d),
+        shapes = ((BATCH, call.seq_q, HEADS_Q, d), (pages, PAGE, HEADS_KV, d),
                   (pages, PAGE, HEADS_KV, dv))
     else:
-        shapes = ((BATCH, SEQ_Q, HEADS_Q, d), (BATCH, SEQ_K, HEADS_KV, d),
+        shapes = ((BATCH, call.seq_q, HEADS_Q, d), (BATCH, SEQ_K, HEADS_KV, d),
                   (BATCH, SEQ_K, HEADS_KV, dv))
     rng = np.random.default_rng(zlib.crc32(f"{kernel['name']} {call.case}".encode()))
     dtypes = [DTYPES[kernel["dtype"]]] + 2 * [DTYPES[kernel.get("kv_dtype", kernel["dtype"])]]
