@@ -268,8 +268,9 @@ def supports(q, k, v, **kwargs) -> Support:
 
 def kernels() -> list[dict]:
     """The compiled kernels (name, kind, arch, dtype, kv_dtype (of k and v), head_dim,
-    head_dim_v, banded, softcap, segments, split, paged, tile_m, tile_n, ctas_per_sm, and
-    dq_parts for backward kernels); [] when the native module is not built."""
+    head_dim_v, banded, softcap, segments, split, paged, keys_as_m (the split forwards'
+    decode tile), tile_m, tile_n, ctas_per_sm, and dq_parts for backward kernels); []
+    when the native module is not built."""
     return _registry.manifest()
 
 
