@@ -93,6 +93,31 @@ def test_full_grids_and_gradients_do_not_split(built):
     assert "banded = false" in bwd_attrs and "num_splits" not in bwd_attrs, bwd_attrs
 
 
+@pytest.mark.parametrize("sq,d,options,keys_as_m", [
+    (1, 128, {}, True),                     # decode: 4 query heads per K/V head as rows
+    (2, 128, {}, True),                     # two positions of 4: the tile's 8 rows
+    (3, 128, {}, False),                    # 12 rows: the 64-row split tile
+    (1, 64, {}, False),                     # head_dim 64: not built there (config.py)
+    (1, 128, {"softcap": 20.0}, False),     # no softcap variant
+    (1, 128, {"kv_lengths": True}, True),   # lengths: its segment variant
+])
+def test_keys_as_m_tile_choice(built, sq, d, options, keys_as_m):
+    """Split calls whose rows per K/V head (pack-GQA's included) fit the keys-as-M
+    tile's 8 take it where it was built (head_dim 128, no softcap), others the 64-row
+    split tile; the choice reaches the lowered call."""
+    options = dict(options)
+    q, kv, arrays = sds(1, sq, 32, d), sds(1, 8192, 8, d), {}
+    if options.pop("kv_lengths", False):
+        arrays["kv_lengths"] = sds(1, dtype=jnp.int32)
+    spec = _api._plan(q, kv, kv, causal=False, softmax_scale=None, return_lse=False,
+                      implementation=None, **options, **arrays)
+    assert spec.split_kernel and spec.keys_as_m == keys_as_m, spec
+    text = _lowered(lambda q, k, v, arrays: jax_fa4.attention(q, k, v, **options, **arrays),
+                    q, kv, kv, arrays)
+    (attrs, _), = _fwd_calls(text)
+    assert f"keys_as_m = {str(keys_as_m).lower()}" in attrs, attrs
+
+
 def test_symbolic_sizes_do_not_split(built):
     """jax.export with a symbolic key length: the split count is a static choice."""
     b, = jax.export.symbolic_shape("b")
