@@ -103,6 +103,14 @@ class Barrier(enum.IntEnum):
     P_STORED = 10  # keys-as-M tile: P^T is in shared memory for O^T += V^T P^T
 
 
+@cute.jit
+def unpacked_row(row: Int32, head: Int32, group: Int32):
+    """(position, query head) of packed row `row` of K/V head `head` under pack-GQA's
+    group g: row r is query head head * g + r % g at position r // g."""
+    position = row // group
+    return position, head * group + (row - position * group)
+
+
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
     """(B, S, H, D) -> (S, D, H, B): a TMA box walks (S, D) inside one (head, batch)."""
     return cute.make_tensor(t.iterator, cute.select(t.layout, mode=[1, 3, 2, 0]))
@@ -1025,8 +1033,7 @@ class FwdSm90:
     @cute.jit
     def _store_final(self, tiles, final, lse, run: Scalars, walk: Walk, tidx: Int32):
         """The one split's O (in dtype) and LSE straight into the caller's out (B, Sq /
-        g, H * g, Dv) and lse (B, H * g, Sq / g): packed row r of head h is query head
-        h * g + r % g at position r // g. Bit for bit the combine's result for one
+        g, H * g, Dv) and lse (B, H * g, Sq / g), rows unpacked by unpacked_row. Bit for bit the combine's result for one
         split (weight exp(0) = 1, LSE + log 1), without its launch: a decode step at
         head_dim 64, batch 32, 32 / 8 heads over 1088 keys (the generation example's)
         1.05-1.10x, dense, with lengths or paged; at batch 1 (several splits) 0.98-0.99x
@@ -1039,8 +1046,7 @@ class FwdSm90:
         for r in cutlass.range_constexpr(ROWS_PER_THREAD):
             row = row0 + coord_o[r, 0][0]
             if row < run.seqlen_q:
-                position = row // group
-                q_head = head * group + (row - position * group)
+                position, q_head = unpacked_row(row, head, group)
                 if tidx % 4 == 0:
                     out_lse[batch, q_head, position] = lse[r]
                 for col in cutlass.range_constexpr(cute.size(o_rc, mode=[1])):

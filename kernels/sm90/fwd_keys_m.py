@@ -35,7 +35,7 @@ from cutlass.tensor_utils import LayoutEnum
 from kernels.sm90 import mask, segments, wgmma
 from kernels.sm90.fragments import convert, rows_cols
 from kernels.sm90.fwd import (CONSUMER_ROWS, WARPGROUP, Barrier, FwdSm90, Gmem, Scalars,
-                              Walk, _Tiles)
+                              Walk, _Tiles, unpacked_row)
 from kernels.sm90.softmax import ColumnSoftmax
 
 KEYS = CONSUMER_ROWS  # keys per block: one wgmma M
@@ -317,16 +317,14 @@ class FwdKeysAsM(FwdSm90):
         for i in cutlass.range_constexpr(cute.size(r_o)):
             row = row0 + coord_o[i][1]
             if row < run.seqlen_q:
-                position = row // group
-                q_head = head * group + (row - position * group)
+                position, q_head = unpacked_row(row, head, group)
                 out[walk.batch, position, q_head, coord_o[i][0]] = r_o[i]
         if tiles.ctid < 4:
             for q in cutlass.range_constexpr(len(cols)):
                 row = row0 + cols[q]
                 if row < run.seqlen_q:
-                    position = row // group
-                    out_lse[walk.batch, head * group + (row - position * group),
-                            position] = lse[q]
+                    position, q_head = unpacked_row(row, head, group)
+                    out_lse[walk.batch, q_head, position] = lse[q]
 
     @cute.jit
     def _store_partial_columns(self, tiles, coord_o, lse, mO, mLSE, run: Scalars, walk: Walk):
