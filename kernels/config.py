@@ -177,7 +177,11 @@ _SPLIT_DENSE = {128: dict(q_registers=True)}
 # at 128k bf16 1.00, float8 1.02-1.07, paged float8 1.05-1.07. d64 at batch 32 over
 # 1088 keys (the generation example's step) 0.985-0.988, with kv_lengths 0.994, paged
 # 1.00: d128 only. Four float8 K/V stages on top (rings 64 KB; two CTAs still fit):
-# 128k 0.98, paged 0.98, batch 64 0.99-1.04; not kept.
+# 128k 0.98, paged 0.98, batch 64 0.99-1.04; not kept. Float8 K from its ring slot
+# straight into registers (the tile's K A operand; FwdKeysAsM.k_registers) against K
+# converted into the 16-bit buffer (H100, 2026-11-27, alternated twice in one call):
+# batch 1 at 8k / 128k 1.065-1.068 / 1.021-1.034, paged 1.041-1.046 / 1.016-1.042;
+# batch 64 at 128k 1.023-1.025, paged 1.050-1.052. Always on for float8 K/V.
 KEYS_AS_M_ROWS = 8
 KEYS_AS_M_HEAD_DIMS = (128,)
 _KEYS_AS_M_TILES = {kv_dtype: Tile(m=KEYS_AS_M_ROWS, n=64, kv_stages=2, pingpong=False,

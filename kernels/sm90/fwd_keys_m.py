@@ -17,8 +17,11 @@ reads one while the softmax of the next fills the other. Per block that is two n
 barriers (the column maxima, P^T stored) and 8x less tensor-core work than the 64-row
 tile.
 
-The rest is the split kernel's (FwdSm90): the producer and rings (float8 K/V converted
-by dequant.py into the 16-bit K and V buffers; paged variants' pages and appended
+float8 K goes from its ring slot straight into registers as S^T's A operand, converted
+there (_load_k), against a copy of Q whose D columns are permuted to match, made once per
+tile (_permute_q): no 16-bit K block is written or read (the K buffer FwdSm90 allocates
+stays unused). The rest is the split kernel's (FwdSm90): the producer and rings (float8
+V converted by dequant.py into the 16-bit V buffer; paged variants' pages and appended
 rows), the walk over key blocks from the last down (segment variants: their plan), the
 masking of the transposed block (mask.mask_block_kq, or segments.mask_block with the
 keys along its rows), the fp32 partials or, with one split, the caller's out and lse.
@@ -88,6 +91,10 @@ class FwdKeysAsM(FwdSm90):
         assert self.consumers == 1 and self.tile_n == KEYS and not self.q_registers
         assert self.tile_m % 8 == 0 and self.head_dim_v % KEYS == 0
         self.q_rows = self.tile_m
+        # float8 K/V: K goes from its float8 block straight into registers, as the A
+        # operand of S^T (converted there), which takes Q with its D columns permuted
+        # to match (_permute_q): no 16-bit K block is written or read.
+        self.k_registers = self.kv_fp8
 
     def _q_smem_layout(self):
         """The Q ring (N, D, q_stages): Q as the B operand of S^T = K Q^T."""
@@ -102,24 +109,88 @@ class FwdKeysAsM(FwdSm90):
                                              (KEYS, self.tile_m, self.tile_n), self.pv_dtype,
                                              P_STAGES)
 
+    def _qp_smem_layout(self):
+        """One Q buffer (N, D, 1) as _q_smem_layout's: Q with its D columns permuted."""
+        return sm90_utils.make_smem_layout_b(LayoutEnum.ROW_MAJOR,
+                                             (KEYS, self.tile_m, self.head_dim), self.dtype, 1)
+
     def _scratch_fields(self) -> dict:
         p_layout = self._p_smem_layout()
-        return dict(
+        fields = dict(
             sP=cute.struct.Align[cute.struct.MemRange[self.pv_dtype, cute.cosize(p_layout)],
                                  1024],
             red=cute.struct.MemRange[Float32, WARPS * self.tile_m])
+        if self.k_registers:
+            qp_layout = self._qp_smem_layout()
+            fields["sQp"] = cute.struct.Align[
+                cute.struct.MemRange[self.dtype, cute.cosize(qp_layout)], 1024]
+        return fields
 
     def _scratch(self, storage):
+        """(sP, red, sQp: the permuted Q, None without k_registers)."""
         p_layout = self._p_smem_layout()
+        sQp = None
+        if cutlass.const_expr(self.k_registers):
+            qp_layout = self._qp_smem_layout()
+            sQp = storage.sQp.get_tensor(qp_layout.outer, swizzle=qp_layout.inner)
         return (storage.sP.get_tensor(p_layout.outer, swizzle=p_layout.inner),
-                storage.red.get_tensor(cute.make_layout((WARPS, self.tile_m))))
+                storage.red.get_tensor(cute.make_layout((WARPS, self.tile_m))), sQp)
+
+    # K in registers: thread t = lane % 4 of warp w loads the D / 4 consecutive values
+    # D / 4 t .. D / 4 (t + 1) - 1 of keys 16 w + lane / 4 and + 8 (whole 16-byte runs of
+    # the float8 row), and its A fragment's value (c, r, h) of k-slice s, column
+    # 16 s + 8 h + 2 t + c of the wgmma's K, is row r's value 4 s + 2 h + c: Q's column
+    # 16 s + 8 h + 2 t + c holds Q's D column D / 4 t + 4 s + 2 h + c. The fragment is
+    # the wgmma's compact one ((2, 2, 2), 1, D / 16): the GEMM reads each k-slice's 8
+    # values as 4 consecutive register pairs (a strided view was read as if compact).
+    def _k_fragment_layout(self):
+        return cute.make_layout(((2, 2, 2), 1, self.head_dim // 16),
+                                stride=((1, 2, 4), 0, 8))
+
+    @cute.jit
+    def _permute_q(self, sQc, sQp, tidx):
+        """sQp = sQc with its D columns in the K fragment's order (_k_fragment_layout),
+        visible to the wgmma: once per tile."""
+        d, per = self.head_dim, self.head_dim // 4
+        for i in cutlass.range_constexpr(self.tile_m * d // WARPGROUP):
+            at = tidx + i * WARPGROUP
+            n = at // d
+            f = at - n * d
+            s, h, t, c = f // 16, (f // 8) % 2, (f // 2) % 4, f % 2
+            sQp[n, f, 0] = sQc[n, per * t + 4 * s + 2 * h + c]
+        cute.arch.fence_proxy("async.shared", space="cta")
+        pipeline.NamedBarrier(Barrier.P_STORED, WARPGROUP).arrive_and_wait()
+
+    @cute.jit
+    def _load_k(self, block, r_k, tidx):
+        """The thread's K values of the float8 block (keys, D) into r_k (2, D / 4) in
+        dtype: 16-byte loads, converted in registers."""
+        per = self.head_dim // 4
+        warp, lane = tidx // 32, tidx % 32
+        runs = cute.zipped_divide(block, (1, 16))
+        for i in cutlass.range_constexpr(2):
+            row = 16 * warp + lane // 4 + 8 * i
+            for j in cutlass.range_constexpr(per // 16):
+                values = cute.make_rmem_tensor((16,), block.element_type)
+                cute.autovec_copy(runs[None, (row, (lane % 4) * (per // 16) + j)], values)
+                wide = cute.make_rmem_tensor((16,), self.dtype)
+                wide.store(values.load().to(self.dtype))
+                # Value b = 16 j + e of row i is (c, r, h) = (b % 2, i, b // 2 % 2) of
+                # k-slice b // 4: a pair at a time into the compact fragment.
+                for e in range(0, 16, 2):
+                    b = 16 * j + e
+                    at = 2 * i + 4 * ((b // 2) % 2) + 8 * (b // 4)
+                    pair = cute.make_tensor(r_k.iterator + at, cute.make_layout(2))
+                    pair.store(cute.make_tensor(wide.iterator + e, cute.make_layout(2)).load())
 
     # Fresh tiled MMAs per GEMM issue (wgmma.py says why).
     def _st_mma(self):
         k_major = OperandMajorMode.K
+        k_source = (warpgroup.OperandSource.RMEM if self.k_registers
+                    else warpgroup.OperandSource.SMEM)
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, k_major, k_major, Float32, (1, 1, 1),
-            (KEYS, self.tile_m), warpgroup.OperandSource.SMEM)
+            (KEYS, self.tile_m), k_source)
 
     def _ot_mma(self):
         mn_major = OperandMajorMode.MN
@@ -133,7 +204,7 @@ class FwdKeysAsM(FwdSm90):
         """The one consumer: S^T = K Q^T, the column softmax and O^T += V^T P^T over the
         walk's key blocks (the last visited first; _block_step per block after it),
         then out and LSE to the walk's out_batch; returns the advanced ring consumers."""
-        sP, red = smem.scratch
+        sP, red, sQp = smem.scratch
         n, dv, tile_n = self.tile_m, self.head_dim_v, self.tile_n
         n_begin, n_end = walk.n_begin, walk.n_end
         q_handle = q_consumer.wait_and_advance()
@@ -145,11 +216,18 @@ class FwdKeysAsM(FwdSm90):
         coord_s = rows_cols(thr_st.partition_C(cute.make_identity_tensor((tile_n, n))))
         cols = [coord_s[0, j][1] for j in range(cute.size(coord_s, mode=[1]))]
         scale_log2, v_descale = self._scales(gmem, run, walk)
+        sQc = smem.sQ[None, None, q_handle.index]
+        r_k = None
+        if cutlass.const_expr(self.k_registers):
+            self._permute_q(sQc, sQp, tidx)
+            sQc = sQp[None, None, 0]
+            r_k = cute.make_rmem_tensor((self.head_dim // 2,), self.dtype)
+            tSrK = cute.make_tensor(r_k.iterator, self._k_fragment_layout())
+        else:
+            tSrK = thr_st.make_fragment_A(thr_st.partition_A(smem.sK))
         tiles = _Tiles(
-            thr_st=thr_st, s_shape=thr_st.partition_shape_C((tile_n, n)),
-            tSrK=thr_st.make_fragment_A(thr_st.partition_A(smem.sK)),
-            tSrQ=thr_st.make_fragment_B(thr_st.partition_B(smem.sQ[None, None,
-                                                                  q_handle.index])),
+            thr_st=thr_st, s_shape=thr_st.partition_shape_C((tile_n, n)), tSrK=tSrK,
+            r_k=r_k, tSrQ=thr_st.make_fragment_B(thr_st.partition_B(sQc)),
             tOrV=thr_ot.make_fragment_A(thr_ot.partition_A(smem.sV)),
             tOrP=thr_ot.make_fragment_B(thr_ot.partition_B(sP)), sP=sP, acc_o=acc_o,
             coord_s=coord_s, columns=ColumnExchange(red, cols, tidx),
@@ -163,12 +241,10 @@ class FwdKeysAsM(FwdSm90):
             seg = walk.seg
             n_last, first_masked = self._first_block(n_end, seg)
             acc_s = thr_st.make_fragment_C(tiles.s_shape)
-            k_handle = k_consumer.wait_and_advance()
-            k_at, _ = self._operands(tiles, k_handle, None)
-            wgmma.gemm(self._st_mma(), acc_s, tiles.tSrK[None, None, None, k_at], tiles.tSrQ,
-                       True)
+            k_consumer, k_handle = self._issue_st(acc_s, tiles, k_consumer)
             warpgroup.wait_group(0)
-            self._release(k_handle)
+            if cutlass.const_expr(k_handle is not None):
+                self._release(k_handle)
             if cutlass.const_expr(self.segments):
                 if first_masked != 0:
                     self._mask(acc_s, n_last, tiles, run, seg)
@@ -226,20 +302,16 @@ class FwdKeysAsM(FwdSm90):
         advanced ring consumers. is_masked: element masking (segment variants: the plan
         flags the block)."""
         acc_s = tiles.thr_st.make_fragment_C(tiles.s_shape)
-        k_handle = k_consumer.wait_and_advance()
-        v_handle = None
-        if cutlass.const_expr(self.kv_fp8):  # both blocks are converted before either GEMM
-            v_handle = v_consumer.wait_and_advance()
-        k_at, v_at = self._operands(tiles, k_handle, v_handle)
-        wgmma.gemm(self._st_mma(), acc_s, tiles.tSrK[None, None, None, k_at], tiles.tSrQ, True)
+        k_consumer, k_handle = self._issue_st(acc_s, tiles, k_consumer)
         self._rescale_columns(tiles.acc_o, tiles.o_scale)
-        if cutlass.const_expr(not self.kv_fp8):
-            v_handle = v_consumer.wait_and_advance()
-            v_at = v_handle.index
+        # float8 V converts into the V buffer while S^T runs.
+        v_handle = v_consumer.wait_and_advance()
+        _, v_at = self._operands(tiles, None, v_handle)
         wgmma.gemm(self._ot_mma(), tiles.acc_o, tiles.tOrV[None, None, None, v_at],
                    tiles.tOrP[None, None, None, (visit + 1) % P_STAGES], False)
         warpgroup.wait_group(1)
-        self._release(k_handle)
+        if cutlass.const_expr(k_handle is not None):
+            self._release(k_handle)
         if cutlass.const_expr(is_masked):
             self._mask(acc_s, n_block, tiles, run, seg)
         self._softmax(acc_s, tiles)
@@ -247,6 +319,22 @@ class FwdKeysAsM(FwdSm90):
         self._release(v_handle)
         self._store_p(acc_s, tiles, visit % P_STAGES)
         return k_consumer, v_consumer
+
+    @cute.jit
+    def _issue_st(self, acc_s, tiles, k_consumer):
+        """Wait for the next K block and issue S^T = K Q^T on it; returns the advanced
+        K consumer and the ring slot to free once the product is done (None where K went
+        into registers and its slot is free already)."""
+        k_handle = k_consumer.wait_and_advance()
+        if cutlass.const_expr(self.k_registers):
+            self._load_k(tiles.smem.loads[0][None, None, k_handle.index], tiles.r_k,
+                         tiles.ctid)
+            k_handle.release()
+            wgmma.gemm(self._st_mma(), acc_s, tiles.tSrK, tiles.tSrQ, True)
+            return k_consumer, None
+        k_at, _ = self._operands(tiles, k_handle, None)
+        wgmma.gemm(self._st_mma(), acc_s, tiles.tSrK[None, None, None, k_at], tiles.tSrQ, True)
+        return k_consumer, k_handle
 
     @cute.jit
     def _mask(self, acc_s, n_block, tiles, run: Scalars, seg):
