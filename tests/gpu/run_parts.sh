@@ -9,6 +9,9 @@
 #   bash tests/gpu/run_parts.sh heads      # GQA, sinks, transforms, fallback, float8
 #   bash tests/gpu/run_parts.sh large      # 2^31-element tensors and softcap accuracy, alone
 #   bash tests/gpu/run_parts.sh multi      # 2 or more GPUs
+#   bash tests/gpu/run_parts.sh single     # core, large, features and heads: with 3 or
+#                                          # more GPUs each on its own (large after core),
+#                                          # in parallel; else one after the other
 #
 # Extra arguments go to pytest. On an H100 (80 GB) on 2026-11-25, the kernels of 050e892:
 # core 5.4 minutes (1796 passed), features 7.4 (505), heads 4.3 (319), large 0.5 (10);
@@ -24,11 +27,40 @@
 # with Q in registers in the d128 split tiles (e25ff426): core 4.6, large 0.4,
 # features 6.2, heads 4.6; with the keys-as-M decode tiles (854fdc7f): core 5.0 (1831),
 # large 0.4, features 7.0, heads 4.5 (355).
-# multi on 4 x H100 (2026-11-26): 1.5 minutes (14 passed).
+# multi on 4 x H100 (2026-11-26): 1.5 minutes (14 passed). On 4 x H100, 2026-11-27,
+# the parts in parallel one per GPU with K in registers in the float8 keys-as-M tiles
+# (d87efd7c): core 5.7 then large 0.4, features 7.0, heads 5.0: 7 minutes in all.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi [pytest args]}
+part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
 shift
+if [ "$part" = single ]; then
+  # Each part's output goes to $LOGS/PART.log (default build/gpu-parts); one line per
+  # part as it ends, its summary; non-zero exit when any part fails.
+  logs=${LOGS:-build/gpu-parts}
+  mkdir -p "$logs"
+  if [ -n "${CUDA_VISIBLE_DEVICES-}" ]; then IFS=, read -r -a gpus <<< "$CUDA_VISIBLE_DEVICES"
+  else mapfile -t gpus < <(nvidia-smi --query-gpu=index --format=csv,noheader); fi
+  run_group() {  # DEVICE PART...: the parts one after the other on DEVICE ("" = as given)
+    local dev=$1 p rc=0; shift
+    for p in "$@"; do
+      if [ -n "$dev" ]; then CUDA_VISIBLE_DEVICES=$dev bash "$0" "$p" "${args[@]}" > "$logs/$p.log" 2>&1 || rc=1
+      else bash "$0" "$p" "${args[@]}" > "$logs/$p.log" 2>&1 || rc=1; fi
+      echo "$p: $(grep -v '^\s*$' "$logs/$p.log" | tail -n 1)"
+    done
+    return $rc
+  }
+  args=("$@")
+  if [ "${#gpus[@]}" -ge 3 ]; then
+    run_group "${gpus[0]}" core large & a=$!
+    run_group "${gpus[1]}" features & b=$!
+    run_group "${gpus[2]}" heads & c=$!
+    rc=0; for pid in $a $b $c; do wait "$pid" || rc=1; done
+    exit $rc
+  fi
+  run_group "" core large features heads
+  exit $?
+fi
 g=tests/gpu
 case "$part" in
   quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py" ;;
