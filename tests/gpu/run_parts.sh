@@ -29,7 +29,8 @@
 # large 0.4, features 7.0, heads 4.5 (355).
 # multi on 4 x H100 (2026-11-26): 1.5 minutes (14 passed). On 4 x H100, 2026-11-27,
 # the parts in parallel one per GPU with K in registers in the float8 keys-as-M tiles
-# (d87efd7c): core 5.7 then large 0.4, features 7.0, heads 5.0: 7 minutes in all.
+# (d87efd7c): core 5.7 then large 0.4, features 7.0, heads 5.0; again with `single`:
+# core 4.4 then large 0.4, features 5.4, heads 3.9: 5.5 minutes in all.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
