@@ -124,6 +124,8 @@ class Tile:
 #   one CTA per tile / the options off):
 #   - d64 without a mask, m=128 instead of 192 (persistent): 1.04 at 512, 0.89-0.90 at
 #     2k, 0.80-0.89 at 16k; kv_stages=3 at d64: 0.92-1.10, noise. Neither kept.
+#     m=128 again on 2026-11-27, with the last block masked only where cut (4 x H100):
+#     0.98-0.99 at 512, 0.88 at 768, 0.97 at 1000, 0.85 at 1536, 0.87-0.88 at 2k.
 #   - Two CTAs of 64 rows per SM, one CTA per tile, ping-pong off (the split kernels'
 #     shape; H200, 2026-11-26, alternated twice): d64 (128-key blocks) 0.93 at 512, 0.90
 #     at 2k, 0.88 at 8k, 0.83-0.85 at 16k; d128 (64-key blocks) 0.85-0.90. Not kept.
