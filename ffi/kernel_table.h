@@ -145,6 +145,7 @@ struct Kernel {
   bool dynamic;   // forward "dynamic" schedule: takes tiles from FwdArgs::tile_counter,
                   // which the handler zeroes before the launch
   bool keys_as_m;  // forward split decode tile: keys as the wgmma's M, tile_m rows as N
+  bool long_band;  // forward banded tile for bands whose rows see many keys
   int tile_m;
   int tile_n;
   int ctas_per_sm;  // CTAs resident on one SM (kernels/config.py Tile)
@@ -166,7 +167,8 @@ const char* DtypeName(Dtype dtype);
 // nullptr when no kernel was built for this configuration.
 const FwdKernel* FindFwdKernel(Dtype dtype, Dtype kv_dtype, int head_dim, int head_dim_v,
                                bool banded, bool softcap, bool segments, bool split,
-                               bool paged, bool keys_as_m = false);
+                               bool paged, bool keys_as_m = false,
+                               bool long_band = false);
 const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
                                bool softcap, bool segments);
 

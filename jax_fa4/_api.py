@@ -158,7 +158,8 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
     else:
         if spec.path != "reference":
             _kv_float8.warn_dequantized(_kernel_select.kernel_support(
-                dataclasses.replace(spec, kv_float8=True, split_kernel=True))[1]
+                dataclasses.replace(spec, kv_float8=True, split_kernel=True,
+                                    long_band=False))[1]
                 or "no Hopper GPU for the kernels")
         out, lse = _run(spec, q, *_kv_float8.dequantized(k, v, table), **arrays)
     return _float8.undefined_heads(out, lse, table)
@@ -269,8 +270,9 @@ def supports(q, k, v, **kwargs) -> Support:
 def kernels() -> list[dict]:
     """The compiled kernels (name, kind, arch, dtype, kv_dtype (of k and v), head_dim,
     head_dim_v, banded, softcap, segments, split, paged, keys_as_m (the split forwards'
-    decode tile), tile_m, tile_n, ctas_per_sm, and dq_parts for backward kernels); []
-    when the native module is not built."""
+    decode tile), long_band (the banded forwards' tile for rows that see many keys),
+    tile_m, tile_n, ctas_per_sm, and dq_parts for backward kernels); [] when the native
+    module is not built."""
     return _registry.manifest()
 
 

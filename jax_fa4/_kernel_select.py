@@ -39,8 +39,9 @@ def kernel_head_dims(spec: AttentionSpec) -> tuple[int, int] | None:
     if kernel_dtype(spec) is None:
         return None
     built = {_registry.head_dims(e) for e in _registry.manifest()}
-    # The keys-as-M tile stands in for the split tile at that tile's head dims.
-    variant = dataclasses.replace(spec, keys_as_m=False)
+    # The keys-as-M and long-band tiles stand in for the split and banded tiles at
+    # those tiles' head dims.
+    variant = dataclasses.replace(spec, keys_as_m=False, long_band=False)
     fits = [(d + dv, d, dv) for d, dv in built
             if d >= spec.head_dim and dv >= spec.head_dim_v
             and _find(variant, "fwd", (d, dv)) is not None]
@@ -116,4 +117,4 @@ def _find(spec: AttentionSpec, kind: str, dims: tuple[int, int] | None = None) -
     return _registry.find_kernel(kind, kernel_dtype(spec), dims, spec.banded or split,
                                  spec.softcap is not None, spec.segment_kernel, split, paged,
                                  KV_FLOAT8 if spec.kv_float8 else None,
-                                 split and spec.keys_as_m)
+                                 split and spec.keys_as_m, kind == "fwd" and spec.long_band)

@@ -20,9 +20,11 @@ from jax_fa4._spec import AttentionSpec
 
 
 def plan(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
-    """A validated spec with its path, then its packing, then its split: each step reads
-    the one before it (the split counts the grid the packing left). sizes: `sizes`'s."""
-    return with_split(with_packing(choose(spec, implementation, sizes), sizes[2]), sizes)
+    """A validated spec with its path, then its packing, then its split, then its
+    banded tile: each step reads the one before it (the split counts the grid the
+    packing left). sizes: `sizes`'s."""
+    return with_long_band(
+        with_split(with_packing(choose(spec, implementation, sizes), sizes[2]), sizes), sizes)
 
 
 def sizes(q, k, *, varlen: bool) -> tuple:
@@ -117,6 +119,29 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
             seqlen_q, key_blocks, split["tile_m"]):
         return spec
     return dataclasses.replace(spec, split_kernel=True, num_splits=splits, keys_as_m=keys_as_m)
+
+
+# Keys a row of a band sees, from which dense banded calls take the long-band tile
+# (kernels/config.py _LONG_BAND: 192 rows at d64). Against the 128-row tile, d64 causal
+# (H100, 2026-11-27, alternated twice in one call): 1.06x at 4k keys, 1.13-1.19x at 8k
+# and 16k, level at 2k, 0.85-0.87x at 512 and 1k; a window of 1024 keys 0.93x.
+LONG_BAND_KEYS = 4096
+
+
+def with_long_band(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
+    """The long-band tile on the kernel paths for a dense banded call (no split,
+    segments or pages) whose rows may see LONG_BAND_KEYS keys or more, where it was built:
+    a band open on one side sees up to Sk keys, a window up to left + right + 1."""
+    seqlen_k = sizes[3]
+    if (spec.path not in ("cute", "platform") or not isinstance(seqlen_k, int)
+            or not spec.banded or spec.split_kernel or spec.segment_kernel or spec.paged):
+        return spec
+    left, right = spec.window_left, 0 if spec.causal else spec.window_right
+    keys = seqlen_k if left is None or right is None else min(seqlen_k, left + right + 1)
+    long_band = dataclasses.replace(spec, long_band=True)
+    if keys < LONG_BAND_KEYS or _kernel_select.fwd_kernel(long_band) is None:
+        return spec
+    return long_band
 
 
 def sm_count() -> int:

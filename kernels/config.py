@@ -273,6 +273,16 @@ _DYNAMIC_BANDED = {
     for (head_dim, banded), tile in _TILES.items()
     if banded and head_dim in (64, 96, 128, 256)
 }
+# Banded kernels for bands whose rows see many keys (FwdConfig.long_band; jax_fa4's
+# _path.with_long_band picks them from LONG_BAND_KEYS keys a row): d64 with three
+# consumers (192 rows). Against _DYNAMIC_BANDED's 128 rows (4 x H100, 2026-11-27,
+# alternated twice in one call, d64 causal, 16k tokens a batch): 1.16 at 8k, 1.19 at 16k,
+# 0.99-1.005 at 2k, 0.85-0.86 at 1k, 0.86-0.87 at 512; a window of 1024 at 2k and 16k
+# 0.93. With ping-pong on: 1.09 / 1.12 at 8k / 16k, 0.93 at 2k. Packed documents (the
+# segment kernels, which spill at 192 rows) 0.69-0.92: built for dense calls only.
+LONG_BAND_HEAD_DIMS = (64,)
+_LONG_BAND = {head_dim: dataclasses.replace(_DYNAMIC_BANDED[head_dim], m=192)
+              for head_dim in LONG_BAND_HEAD_DIMS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,6 +319,9 @@ class _KernelConfig:
     # as the wgmma's M and the tile's KEYS_AS_M_ROWS query rows as its N; calls whose
     # rows fit run it, the others the 64-row split tile.
     keys_as_m: bool = False
+    # The banded kernel's taller tile (_LONG_BAND) for bands whose rows see many keys:
+    # dense 16-bit forwards without softcap at LONG_BAND_HEAD_DIMS.
+    long_band: bool = False
 
     kind = ""
 
@@ -349,6 +362,12 @@ class _KernelConfig:
                                    and self.head_dim_v == self.head_dim and not self.softcap):
             raise ValueError(f"keys_as_m tiles are split forwards at head dims "
                              f"{KEYS_AS_M_HEAD_DIMS} without softcap")
+        if self.long_band and not (
+                self.kind == "fwd" and self.banded and self.dtype in DTYPES
+                and self.head_dim in LONG_BAND_HEAD_DIMS and self.head_dim_v == self.head_dim
+                and not (self.softcap or self.segments or self.split or self.paged)):
+            raise ValueError(f"long_band tiles are dense banded 16-bit forwards at head "
+                             f"dims {LONG_BAND_HEAD_DIMS} without softcap")
 
     @property
     def name(self) -> str:
@@ -360,6 +379,7 @@ class _KernelConfig:
         seg += "_paged" if self.paged else ""
         seg += f"_kv_{self.kv_dtype}" if self.kv_dtype else ""
         seg += "_keysm" if self.keys_as_m else ""
+        seg += "_long" if self.long_band else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
                                       else "")
         return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
@@ -380,6 +400,7 @@ class _KernelConfig:
             "paged": self.paged,
             "kv_dtype": self.kv_dtype or self.dtype,
             "keys_as_m": self.keys_as_m,
+            "long_band": self.long_band,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
             "ctas_per_sm": getattr(self.tile, "ctas_per_sm", 1),
@@ -408,6 +429,8 @@ class FwdConfig(_KernelConfig):
             return _FP8_TILES[(self.head_dim, self.banded)]
         if self.keys_as_m:
             return _KEYS_AS_M_TILES[self.kv_dtype]
+        if self.long_band:
+            return _LONG_BAND[self.head_dim]
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         if self.split:
@@ -522,6 +545,8 @@ FWD_MANIFEST += tuple(FwdConfig(dtype=d, kv_dtype=kv, head_dim=h, banded=True, s
                       for d, kv in (("bf16", None), ("bf16", "e4m3"))
                       for h in KEYS_AS_M_HEAD_DIMS
                       for seg, paged in ((False, False), (True, False), (True, True)))
+FWD_MANIFEST += tuple(FwdConfig(dtype=d, head_dim=h, banded=True, long_band=True)
+                      for d in DTYPES for h in LONG_BAND_HEAD_DIMS)
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)

@@ -6,7 +6,8 @@
 #   bash tests/gpu/run_parts.sh core       # numerics, backward, runtime values, determinism,
 #                                          # graphs, split-KV, paged
 #   bash tests/gpu/run_parts.sh features   # windows and softcap, segments, varlen, jax.nn
-#   bash tests/gpu/run_parts.sh heads      # GQA, sinks, transforms, fallback, float8
+#   bash tests/gpu/run_parts.sh heads      # GQA, sinks, transforms, fallback, float8,
+#                                          # the long-band tile
 #   bash tests/gpu/run_parts.sh large      # 2^31-element tensors and softcap accuracy, alone
 #   bash tests/gpu/run_parts.sh multi      # 2 or more GPUs
 #   bash tests/gpu/run_parts.sh single     # core, large, features and heads: with 3 or
@@ -30,7 +31,9 @@
 # multi on 4 x H100 (2026-11-26): 1.5 minutes (14 passed). On 4 x H100, 2026-11-27,
 # the parts in parallel one per GPU with K in registers in the float8 keys-as-M tiles
 # (d87efd7c): core 5.7 then large 0.4, features 7.0, heads 5.0; again with `single`:
-# core 4.4 then large 0.4, features 5.4, heads 3.9: 5.5 minutes in all.
+# core 4.4 then large 0.4, features 5.4, heads 3.9: 5.5 minutes in all. With the
+# long-band tiles (715ff729): core 4.9 (1833) then large 0.4, features 6.1, heads 4.6
+# (388): 6.2 minutes.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
@@ -64,10 +67,10 @@ if [ "$part" = single ]; then
 fi
 g=tests/gpu
 case "$part" in
-  quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py" ;;
+  quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_long_band.py" ;;
   core) files="$g/test_gpu_back_to_back.py $g/test_gpu_numerics.py $g/test_gpu_backward.py $g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_command_buffer.py $g/test_gpu_split_kv.py $g/test_gpu_paged.py" ;;
   features) files="$g/test_gpu_window.py $g/test_gpu_segments.py $g/test_gpu_varlen.py $g/test_gpu_jax_nn.py" ;;
-  heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_float8.py $g/test_gpu_kv_float8.py" ;;
+  heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_float8.py $g/test_gpu_kv_float8.py $g/test_gpu_long_band.py" ;;
   large) files="$g/test_gpu_large.py $g/test_gpu_softcap_accuracy.py" ;;
   multi) files="$g/test_gpu_multi.py" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
-from jax_fa4 import _ffi_calls, _float8, _kernel_select, _split_kv
+from jax_fa4 import _ffi_calls, _float8, _kernel_select, _path, _split_kv
 
 # Sq and Sk fill no tile or block of any kernel (tile_m 64..192, tile_n 64..128) and
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
@@ -47,6 +47,9 @@ BATCH, SEQ_Q, SEQ_K, HEADS_Q, HEADS_KV = 2, 200, 300, 4, 2
 # The keys-as-M split tiles (8 query rows) take decode steps: one position, whose 2
 # query heads per KV head pack into 2 rows.
 DECODE_Q = 1
+# The long-band tiles take rows that may see LONG_BAND_KEYS keys: Sk past it, in no
+# block or tile boundary.
+LONG_K = _path.LONG_BAND_KEYS + 100
 # paged_attention: pages of PAGE keys, PAGES table entries per batch, a spare page.
 PAGE, PAGES = 32, 10
 # attention_varlen's packed lengths.
@@ -67,6 +70,7 @@ class Call:
     paged: bool = False  # paged_attention over a cache (operands builds it)
     deterministic: bool | None = None  # None: the forward alone; else jax.grad's dq mode
     seq_q: int = SEQ_Q
+    seq_k: int = SEQ_K
 
     def __str__(self):
         mode = {None: "", False: ", grad atomic", True: ", grad deterministic"}
@@ -108,6 +112,11 @@ DECODE_MAIN = {
            {"kv_lengths": np.array([SEQ_K, 231], np.int32)}, False),
 }
 
+# The main call of the long-band variants: the band's left edge inside the keys (the
+# first blocks skipped whole), its right edge on the diagonal.
+LONG_MAIN = ("causal, window (LONG_BAND_KEYS, 0)",
+             {"causal": True, "window": (_path.LONG_BAND_KEYS, None)}, {}, False)
+
 # Runtime indices out of range, for the segment kernels: each gets one, in turn. Any
 # int32 value is defined (attention's and attention_varlen's docs), and whatever the
 # caller passes, the kernels must stay inside their buffers.
@@ -144,7 +153,9 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             result.append((kernel, [Call(kernel, "paged cache, ids and lengths out of range",
                                          options, arrays, paged=True, seq_q=seq_q)]))
             continue
-        cases = [DECODE_MAIN[kernel["segments"]] if decode
+        long_band = kernel.get("long_band", False)
+        seq_k = LONG_K if long_band else SEQ_K
+        cases = [DECODE_MAIN[kernel["segments"]] if decode else LONG_MAIN if long_band
                  else MAIN[kernel["banded"], kernel["softcap"], kernel["segments"]]]
         if kernel["segments"]:
             float8_kv = kernel.get("kv_dtype", kernel["dtype"]) != kernel["dtype"]
@@ -157,7 +168,7 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
         modes = (None,) if kernel["kind"] == "fwd" else (False, True)
         result.append((kernel, [
             Call(kernel, case, _with_bounds(options, varlen), arrays, varlen, deterministic=mode,
-                 seq_q=seq_q)
+                 seq_q=seq_q, seq_k=seq_k)
             for case, options, arrays, varlen in cases for mode in modes]))
     return result
 
@@ -179,8 +190,8 @@ def operands(call: Call):
         shapes = ((BATCH, call.seq_q, HEADS_Q, d), (pages, PAGE, HEADS_KV, d),
                   (pages, PAGE, HEADS_KV, dv))
     else:
-        shapes = ((BATCH, call.seq_q, HEADS_Q, d), (BATCH, SEQ_K, HEADS_KV, d),
-                  (BATCH, SEQ_K, HEADS_KV, dv))
+        shapes = ((BATCH, call.seq_q, HEADS_Q, d), (BATCH, call.seq_k, HEADS_KV, d),
+                  (BATCH, call.seq_k, HEADS_KV, dv))
     rng = np.random.default_rng(zlib.crc32(f"{kernel['name']} {call.case}".encode()))
     dtypes = [DTYPES[kernel["dtype"]]] + 2 * [DTYPES[kernel.get("kv_dtype", kernel["dtype"])]]
     return [rng.standard_normal(s, np.float32).astype(t) for s, t in zip(shapes, dtypes)]
