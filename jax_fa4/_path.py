@@ -138,10 +138,10 @@ def with_long_band(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
         return spec
     left, right = spec.window_left, 0 if spec.causal else spec.window_right
     keys = seqlen_k if left is None or right is None else min(seqlen_k, left + right + 1)
-    long_band = dataclasses.replace(spec, long_band=True)
-    if keys < LONG_BAND_KEYS or _kernel_select.fwd_kernel(long_band) is None:
+    if keys < LONG_BAND_KEYS:
         return spec
-    return long_band
+    long_band = dataclasses.replace(spec, long_band=True)
+    return spec if _kernel_select.fwd_kernel(long_band) is None else long_band
 
 
 def sm_count() -> int:
