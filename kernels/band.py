@@ -52,6 +52,23 @@ def last_block(m_block, tile_m, hi, tile_n, n_blocks, mn=min, mx=max):
     return mn(mx((m_block + 1) * tile_m + hi - 1, 0) // tile_n, n_blocks - 1)
 
 
+def pair_q_tiles(own, peer, pick, mn=min, mx=max):
+    """The common walk of a 2-CTA pair of key blocks (kernels/sm90/bwd_pair.py), from
+    each block's (m_begin, m_end, masked_front, masked_back) (q_tiles, with the Sk tail
+    masked): the union of the two ranges, every tile outside this block's unmasked
+    middle masked; an empty range joins the other. `pick(c, a, b)` is a if c else b
+    (the DSL's select in the kernels)."""
+    b0, e0, f0, k0 = own
+    b1, e1 = peer[0], peer[1]
+    own_empty = e0 <= b0
+    peer_empty = e1 <= b1
+    begin = pick(own_empty, b1, pick(peer_empty, b0, mn(b0, b1)))
+    end = pick(own_empty, e1, pick(peer_empty, e0, mx(e0, e1)))
+    whole_begin = pick(own_empty, end, b0 + f0)
+    whole_end = pick(own_empty, end, mx(e0 - k0, whole_begin))
+    return begin, end, whole_begin - begin, end - whole_end
+
+
 def split_visits(visits, split, splits, mn=min):
     """Visits [first, end) of split `split` of `splits` over a tile's `visits` key
     blocks: consecutive runs of ceil(visits / splits); the last ones may be shorter or

@@ -457,6 +457,12 @@ class BwdTile:
     q_stages: int
     split_head_dim: bool = False
     consumers: int = 2
+    # Deterministic calls run a cluster of two CTAs over adjacent key blocks
+    # (kernels/sm90/bwd_pair.py): the pair sums its dQ partials through distributed
+    # shared memory, so each query tile takes half the global adds and half the turns.
+    # Split-head-dim tiles only (their dQ goes out from registers; the receive buffer is
+    # the Q ring slot the step has finished with).
+    pair: bool = False
 
     @property
     def dq_parts(self) -> int:
@@ -497,13 +503,24 @@ class BwdTile:
 # 0.64-0.99 without a mask, 0.47-0.61 causal (H100, 2026-11-27, alternated twice in one
 # call; d64, d128, d256). Not kept: the blocks of one head in flight together share its
 # Q, dO and dQ tiles in L2, which outweighs the chain.
+# The 2-CTA pair (BwdTile.pair, kernels/sm90/bwd_pair.py) at d256 and D 192 / Dv 128
+# against these tiles 1-CTA (H100, 2026-11-27, alternated twice in one call), 2k / 16k:
+# with each step's exchange received in the next step, behind its first GEMM,
+# deterministic d256 1.14 / 1.08-1.09, causal 1.06-1.07 / 1.10; 192/128 1.07-1.08 /
+# 0.99, causal 1.07 / 1.07; atomic d256 0.95 / 0.97, causal 0.89 / 0.95-0.99; 192/128
+# 0.87 / 0.89, causal 0.90-0.91 / 1.03. With the exchange finished inside its own step
+# (pair2): atomic 0.82-0.98, deterministic 0.93-1.05; with one barrier pair for both
+# consumers and the slot freed after the dQ GEMM (pair1): atomic 0.71-0.85. The pair
+# runs in step with its peer, where the atomic 1-CTA kernel's adds are
+# fire-and-forget, so only deterministic calls (whose turns already tie the blocks of a
+# tile together) take it: pair=True, chosen per call by the deterministic flag.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
     128: BwdTile(m=64, n=128, q_stages=2),
-    256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True),
+    256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
     # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB.
-    192: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True),
+    192: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
 }
 
 
@@ -516,6 +533,13 @@ class BwdConfig(_KernelConfig):
     @property
     def tile(self) -> BwdTile:
         return _BWD_TILES[self.head_dim]
+
+    @property
+    def pair(self) -> bool:
+        """Whether deterministic calls of this kernel run the 2-CTA pair: segment
+        variants walk a per-block plan, so two blocks need not visit the same query
+        tiles, and stay 1-CTA."""
+        return self.tile.pair and not self.segments
 
     def manifest_entry(self) -> dict:
         return {**super().manifest_entry(), "dq_parts": self.tile.dq_parts}

@@ -35,6 +35,7 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order.
+   bwd_split.py's deterministic calls run as 2-CTA pairs (bwd_pair.py).
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
    The roles get what they share in four holders built once in `kernel`: Gmem (TMA
    atoms and tensors, the dQ accumulator and semaphores), Scalars (the launch's
@@ -51,6 +52,7 @@ bulk reduce per consumer, and red.global.add.v4.f32 in bwd_split.py). The postpr
 maps values back to (row, col) with the same MMA layout.
 """
 
+import copy
 import enum
 import math
 
@@ -65,8 +67,9 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.cute.nvgpu.warpgroup import make_smem_layout_atom
 from cutlass.tensor_utils import LayoutEnum
 
+from kernels import band
 from kernels.config import CONSUMER_REGS, PRODUCER_REGS, BwdConfig
-from kernels.sm90 import mask, segments, softcap, wgmma
+from kernels.sm90 import bwd_pair, mask, segments, softcap, wgmma
 from kernels.sm90.fragments import acc_as_operand_a, rows_cols
 from kernels.sm90.softmax import LOG2_E
 
@@ -141,26 +144,29 @@ class Walk:
     one after the other; its query tiles [m_begin, m_end), of which the first
     masked_front and the last masked_back need element masking (mask.q_block_range), or
     in segment variants the visits 0 .. m_end - 1 of its plan; seg, the segment views
-    (segments.Views; None in other variants)."""
+    (segments.Views; None in other variants); pair, this CTA's side of its 2-CTA pair
+    (bwd_pair.Pair; None in 1-CTA kernels), whose walk is the pair's common one."""
 
     def __init__(self, n_block, kv_head, heads, batch, m_begin, m_end, masked_front,
-                 masked_back, seg):
+                 masked_back, seg, pair):
         self.n_block, self.kv_head, self.heads, self.batch = n_block, kv_head, heads, batch
         self.m_begin, self.m_end = m_begin, m_end
         self.masked_front, self.masked_back = masked_front, masked_back
-        self.seg = seg
+        self.seg, self.pair = seg, pair
 
 
 class Smem:
     """This CTA's shared memory: the Q and dO rings sQ (tile_m, D, q_stages), sdO
     (tile_m, Dv, q_stages) and their rows' sLSE2, sDsum (tile_m, q_stages); sK (tile_n,
     D, 1), sV (tile_n, Dv, 1); the staged dS^T (and P^T) tiles sdS; kv_full, the barrier
-    of the K and V loads. (The dQ staging buffer is read from the storage struct where
-    it is used: a struct used inside a role's branch is rebuilt there.)"""
+    of the K and V loads; rings, the (Q, dO) ring pipelines. (The dQ staging buffer is
+    read from the storage struct where it is used: a struct used inside a role's branch
+    is rebuilt there.)"""
 
-    def __init__(self, sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full):
+    def __init__(self, sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full, rings):
         self.sQ, self.sdO, self.sK, self.sV, self.sdS = sQ, sdO, sK, sV, sdS
         self.sLSE2, self.sDsum, self.kv_full = sLSE2, sDsum, kv_full
+        self.rings = rings
 
 
 class BwdSm90:
@@ -184,6 +190,12 @@ class BwdSm90:
         self.q_stages = cfg.tile.q_stages
         self.consumers = cfg.tile.consumers
         assert self.tile_n == KEYS_PER_CONSUMER * self.consumers or cfg.tile.split_head_dim
+        # Deterministic calls of a pair configuration run the main kernel as a 2-CTA
+        # pair (`pair` set on a copy: bwd_pair); atomic calls, and every call of other
+        # configurations, run it 1-CTA.
+        self.pair = False
+        self.pair_deterministic = cfg.pair
+        assert not (cfg.pair and self.dq_writers), "pairs send dQ from registers"
         self.threads = WARPGROUP * (1 + self.consumers)
         # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
         self.dq_cols = self.head_dim // self.consumers
@@ -223,10 +235,15 @@ class BwdSm90:
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDsum, mdQaccum, mSem).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP, 1, 1], stream=stream
         )
-        self._launch_main(
-            mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
-            scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
-        )
+        main = (mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
+                scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream)
+        if cutlass.const_expr(self.pair_deterministic):
+            if deterministic != 0:
+                self._launch_paired(*main)
+            else:
+                self._launch_main(*main)
+        else:
+            self._launch_main(*main)
         self.postprocess(mdQaccum, mdQ, scale).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
             stream=stream,
@@ -333,6 +350,14 @@ class BwdSm90:
 
     # ------------------------------------------------------------------ main
     @cute.jit
+    def _launch_paired(self, *main):
+        """_launch_main of this kernel as a 2-CTA pair (bwd_pair). A method of self:
+        the DSL cannot carry another kernel object through __call__'s runtime branch."""
+        paired = copy.copy(self)
+        paired.pair = True
+        paired._launch_main(*main)
+
+    @cute.jit
     def _launch_main(
         self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
         scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream,
@@ -379,8 +404,13 @@ class BwdSm90:
         self.kv_bytes = cute.size_in_bytes(dt, sK_one) + cute.size_in_bytes(dt, sV_one)
         self.storage = self._storage(sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout)
         n_blocks, heads_kv = cute.ceil_div(k.shape[0], self.tile_n), k.shape[2]
+        cluster = {}
+        if cutlass.const_expr(self.pair):
+            # pairs of key blocks along x; an odd count gets a block of no keys (bwd_pair)
+            n_blocks = cute.ceil_div(n_blocks, 2) * 2
+            cluster = {"cluster": (2, 1, 1)}
         grid = (n_blocks, heads_kv, k.shape[3])
-        if cutlass.const_expr(self.banded):
+        if cutlass.const_expr(self.banded and not self.pair):
             # Key block 0 has the most query tiles. With atomic adds the K/V heads vary
             # fastest, so the longest CTAs of every head launch first (with GQA a CTA
             # walks its whole group: few, long CTAs). Deterministic adds keep key blocks
@@ -395,7 +425,8 @@ class BwdSm90:
             tma_atom_dv, tma_dv, mdQaccum, mSem, mRows, mKeys, mPlan, scale_log2, scale,
             deterministic, band_lo, band_hi, softcap_scale,
             sQ_layout, sdO_layout, sK_layout, sV_layout, sdS_layout,
-        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1)
+        ).launch(grid=grid, block=[self.threads, 1, 1], stream=stream, min_blocks_per_mp=1,
+                 **cluster)
 
     def _k_major_layout(self, rows: int, cols: int, stages: int, parts: int):
         """(rows, cols, stages) 16-bit shared memory, cols contiguous, with the widest
@@ -418,6 +449,8 @@ class BwdSm90:
             do_mbar: cute.struct.MemRange[Int64, 2 * self.q_stages]
             sLSE2: cute.struct.Align[cute.struct.MemRange[Float32, rows], 128]
             sDsum: cute.struct.Align[cute.struct.MemRange[Float32, rows], 128]
+            if self.pair:
+                pair_mbar: cute.struct.MemRange[Int64, 2 * self.consumers]  # bwd_pair.Pair
             if self.dq_writers:
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
@@ -486,10 +519,19 @@ class BwdSm90:
                 cpasync.prefetch_descriptor(atom)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_init(kv_full, 1)
-        q_producer, q_consumer = self._ring(storage.q_mbar.data_ptr(), self.q_bytes)
-        do_producer, do_consumer = self._ring(storage.do_mbar.data_ptr(), self.do_bytes)
+                if cutlass.const_expr(self.pair):
+                    bwd_pair.init_barriers(storage.pair_mbar.data_ptr(), self.consumers)
+        q_ring = self._ring(storage.q_mbar.data_ptr(), self.q_bytes)
+        do_ring = self._ring(storage.do_mbar.data_ptr(), self.do_bytes)
+        q_producer, q_consumer = q_ring.make_participants()
+        do_producer, do_consumer = do_ring.make_participants()
         cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        if cutlass.const_expr(self.pair):
+            # the peer arrives on these barriers: both CTAs' inits come first
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
+        else:
+            cute.arch.sync_threads()
 
         seqlen_q = tma_q.shape[0]
         seqlen_k = tma_k.shape[0]
@@ -497,6 +539,17 @@ class BwdSm90:
             n_block, seqlen_q, seqlen_k, band_lo, band_hi, self.tile_m, self.tile_n,
             self.banded,
         )
+        pair = None
+        if cutlass.const_expr(self.pair):
+            peer_range = mask.q_block_range(
+                n_block ^ 1, seqlen_q, seqlen_k, band_lo, band_hi, self.tile_m,
+                self.tile_n, self.banded,
+            )
+            m_begin, m_end, masked_front, masked_back = band.pair_q_tiles(
+                (m_begin, m_end, masked_front, masked_back), peer_range, cutlass.select_,
+                cutlass.min, cutlass.max)
+            pair = bwd_pair.Pair(cute.arch.block_idx_in_cluster(),
+                                 storage.pair_mbar.data_ptr(), self.consumers)
         seg = None
         if cutlass.const_expr(self.segments):
             # The plan's query tiles replace the band's: visits 0 .. count - 1.
@@ -508,10 +561,10 @@ class BwdSm90:
         # visited one after the other, so dK and dV sum over the group in registers.
         group = tma_q.shape[2] // tma_k.shape[2]
         walk = Walk(n_block, kv_head, (kv_head * group, group), batch, m_begin, m_end,
-                    masked_front, masked_back, seg)
+                    masked_front, masked_back, seg, pair)
         run = Scalars(scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale,
                       seqlen_k)
-        smem = Smem(sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full)
+        smem = Smem(sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full, (q_ring, do_ring))
         gmem = Gmem(
             (tma_atom_q, tma_q), (tma_atom_do, tma_do), (tma_atom_k, tma_k),
             (tma_atom_v, tma_v), (tma_atom_lse2, tma_lse2), (tma_atom_dsum, tma_dsum),
@@ -541,7 +594,7 @@ class BwdSm90:
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers),
             tx_count=tx_count,
             defer_sync=True,
-        ).make_participants()
+        )
 
     # ------------------------------------------------------------------ producer
     @cute.jit
@@ -648,10 +701,13 @@ class BwdSm90:
 
     @cute.jit
     def _dq_turn(self, m: Int32, i: Int32, run: Scalars, walk: Walk):
-        """The turn of this key block at query tile m, visit i of its walk."""
+        """The turn of this key block (of its pair, in 2-CTA kernels) at query tile m,
+        visit i of its walk."""
         n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
-        turn = mask.dq_turn(walk.n_block, m, n_blocks, run.band_hi, self.tile_m, self.tile_n,
-                            self.banded)
+        block, keys = walk.n_block, self.tile_n
+        if cutlass.const_expr(self.pair):
+            block, n_blocks, keys = block // 2, n_blocks // 2, 2 * keys
+        turn = mask.dq_turn(block, m, n_blocks, run.band_hi, self.tile_m, keys, self.banded)
         if cutlass.const_expr(self.segments):
             turn = walk.seg.plan_row[1 + walk.seg.q_tiles + i]
         return turn
@@ -676,7 +732,8 @@ class BwdSm90:
                 n_blocks, _, _ = cute.arch.grid_dim()
                 n_block = n_blocks - 1 - x
             else:
-                n_block, kv_head = y, x
+                if cutlass.const_expr(not self.pair):  # pairs keep key blocks along x
+                    n_block, kv_head = y, x
         return n_block, kv_head, batch
 
     @cute.jit
@@ -706,6 +763,9 @@ class BwdSm90:
         tiles = self._consumer_tiles(walk, smem, storage, c, tidx)
         cute.arch.mbarrier_wait(smem.kv_full, 0)
         self._walk_tiles(tiles, gmem, run, walk, smem, q_consumer, do_consumer)
+        if cutlass.const_expr(self.pair):  # the last step's exchange (bwd_pair)
+            steps = walk.heads[1] * (walk.m_end - walk.m_begin)
+            self._finish_pair(tiles, steps, gmem, run, walk, smem)
         self.epilogue(tiles.acc_dk, tiles.acc_dv, run.scale, gmem, smem, walk, c, tidx, warp)
 
     @cute.jit

@@ -21,7 +21,9 @@ while the other still reads this one. There is no room to stage dQ for bulk adds
 each consumer adds its dQ_h from registers with red.global.add.v4.f32, 16 bytes per
 instruction, into the same quad layout as bwd.py (a warp instruction covers 512
 contiguous bytes), so the postprocess is shared. Deterministic mode orders these adds with the
-same per-(query tile, half) semaphores.
+same per-(query tile, half) semaphores. Deterministic calls run the kernel as a 2-CTA
+pair over adjacent key blocks, which sums its dQ halves through distributed shared
+memory before these adds (kernels/sm90/bwd_pair.py).
 """
 
 import enum
@@ -34,7 +36,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from kernels.config import BwdConfig
-from kernels.sm90 import softcap, wgmma
+from kernels.sm90 import bwd_pair, softcap, wgmma
 from kernels.sm90.bwd import (KEYS_PER_CONSUMER, QUAD, WARPGROUP, BwdSm90, Gmem, Scalars,
                                Smem, Walk, _Tiles, acc_quads, dq_quads)
 from kernels.sm90.fragments import rows_cols
@@ -94,8 +96,24 @@ class BwdSm90SplitD(BwdSm90):
         acc_dv.fill(0.0)
         acc_dk.fill(0.0)
         key0 = walk.n_block * tn
+        pair_views = {}
+        if cutlass.const_expr(self.pair):
+            # per ring stage and consumer, the half-part the peer sends lands in the
+            # stage's Q slot, as fp32 in the quad layout; the kept half waits in
+            # `pending` for the next step, whose (m, head, visit, stage) `prev` holds
+            half = tm * dc // 2
+            prev = cute.make_rmem_tensor(cute.make_layout(4), Int32)
+            prev.fill(0)
+            pair_views = dict(
+                recv_slots=cute.make_tensor(
+                    cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32),
+                    cute.make_layout((half, self.consumers, stages))),
+                pending=cute.make_rmem_tensor(
+                    cute.make_layout((QUAD, self.dq_vals // QUAD // 2)), Float32),
+                prev=prev,
+            )
         return _Tiles(frags=frags, sP=sP, sdS_now=sdS_now, acc_dv=acc_dv, acc_dk=acc_dk,
-                      c=c, tidx=tidx, key0=key0)
+                      c=c, tidx=tidx, key0=key0, **pair_views)
 
     @cute.jit
     def _step(self, is_masked: cutlass.Constexpr, m: Int32, head: Int32, visit: Int32,
@@ -122,8 +140,11 @@ class BwdSm90SplitD(BwdSm90):
         ds_rows = wgmma.transposed(sdS_now)[None, None, stage]
         acc = thr_sdp.make_fragment_C(s_shape)
         vals = cute.make_rmem_tensor(acc.layout, self.dtype)
+        step = (head - walk.heads[0]) * (walk.m_end - walk.m_begin) + (m - walk.m_begin)
         if c == 0:
             wgmma.gemm(self._sdp_mma(), acc, frags.k, frags.q[None, None, None, stage], True)
+            if cutlass.const_expr(self.pair):  # the previous step's exchange, behind the GEMM
+                self._finish_pair(tiles, step, gmem, run, walk, smem)
             warpgroup.wait_group(0)
             s_rc = rows_cols(acc)
             slope = cute.make_rmem_tensor(acc.layout, self.dtype)
@@ -144,6 +165,8 @@ class BwdSm90SplitD(BwdSm90):
             self._pair_barrier(Barrier.P_READY).arrive()
         else:
             wgmma.gemm(self._sdp_mma(), acc, frags.v, frags.do[None, None, None, stage], True)
+            if cutlass.const_expr(self.pair):
+                self._finish_pair(tiles, step, gmem, run, walk, smem)
             warpgroup.wait_group(0)
             self._pair_barrier(Barrier.P_READY).arrive_and_wait()
             # Each thread reads the elements it then overwrites with dS^T: no other thread
@@ -163,37 +186,70 @@ class BwdSm90SplitD(BwdSm90):
                    frags.q_t[None, None, None, stage], False)
         acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((tm, self.dq_cols)))
         wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
-        warpgroup.wait_group(0)
-        q_handle.release()
-        do_handle.release()
-        self._add_dq(acc_dq, m, head, visit, c, tidx, gmem, run, walk)
+        if cutlass.const_expr(self.pair):
+            # dK has read Q's half c: the peer's half-part may land there (bwd_pair)
+            half_vals = self.dq_vals // 2
+            warpgroup.wait_group(1)
+            bwd_pair.release_slot(walk.pair, c, tidx, WARPGROUP * half_vals * 4)
+            warpgroup.wait_group(0)
+            recv = dq_quads(tiles.recv_slots[None, c, stage].iterator, half_vals, tidx)
+            bwd_pair.send(walk.pair, acc_quads(acc_dq, self.dq_vals), tiles.pending, recv, c,
+                          step)
+            for i, value in enumerate((m, head, visit, stage)):
+                tiles.prev[i] = value
+        else:
+            warpgroup.wait_group(0)
+            q_handle.release()
+            do_handle.release()
+            self._add_dq(acc_quads(acc_dq, self.dq_vals), Int32(0), m, head, visit, c, tidx,
+                         gmem, run, walk)
         return q_consumer, do_consumer
 
     @cute.jit
+    def _finish_pair(self, tiles, step: Int32, gmem: Gmem, run: Scalars, walk: Walk,
+                     smem: Smem):
+        """Step step - 1's exchange, if there was one (bwd_pair.receive): the pair's sum
+        of the kept half, then the ring slot released and the half added."""
+        c, tidx, prev, pending = tiles.c, tiles.tidx, tiles.prev, tiles.pending
+        m, head, visit, stage = prev[0], prev[1], prev[2], prev[3]
+        recv = dq_quads(tiles.recv_slots[None, c, stage].iterator, self.dq_vals // 2, tidx)
+        full = walk.pair.full(c)
+        first = walk.pair.rank * (self.dq_vals // QUAD // 2)
+        q_ring, do_ring = smem.rings
+        state = pipeline.PipelineState(self.q_stages, Int32(0), stage, Int32(0))
+        if step > 0:
+            bwd_pair.receive(full, pending, recv, step - 1)
+            q_ring.consumer_release(state)
+            do_ring.consumer_release(state)
+            self._add_dq(pending, first, m, head, visit, c, tidx, gmem, run, walk)
+
+    @cute.jit
     def _add_dq(
-        self, acc_dq, m: Int32, head: Int32, visit: Int32, c: Int32, tidx: Int32,
+        self, src, first: Int32, m: Int32, head: Int32, visit: Int32, c: Int32, tidx: Int32,
         gmem: Gmem, run: Scalars, walk: Walk,
     ):
         """Adds consumer c's dQ partial for query tile m of `head` (visit `visit` of the
-        walk) to the accumulator, in quads (bwd.py); in deterministic mode only on this
-        key block's turn, then passes the turn on."""
+        walk), src (4, n) in quads (bwd.py), to quads [first, first + n) of its part of
+        the accumulator; in deterministic mode only on this key block's turn, then
+        passes the turn on. In a 2-CTA pair src is the pair's sum of half `rank` and
+        both CTAs take the pair's turn, so it passes on after two increments."""
         mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
         batch = walk.batch
         slot = m * self.consumers + c
         part = self.tile_m * self.dq_cols
         dst = dq_quads(mdQaccum[batch, head, None].iterator + slot * part, self.dq_vals, tidx)
-        src = acc_quads(acc_dq, self.dq_vals)
+        adders = 2 if self.pair else 1
         flag = mSem[batch, head, None].iterator + slot
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
                 mine = self._dq_turn(m, visit, run, walk)
                 turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                while turn != mine:
+                while turn // adders != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
             turn_barrier.arrive_and_wait()
-        for j in cutlass.range_constexpr(self.dq_vals // QUAD):
-            cute.arch.red(dst[None, j].iterator, src[None, j].load(), op="add",
+        for j in cutlass.range_constexpr(cute.size(src, mode=[1])):
+            cute.arch.red(dst[None, first + j].iterator, src[None, j].load(), op="add",
                           dtype=Float32, sem="relaxed", scope="gpu")
         if deterministic != 0:
             cute.arch.fence_acq_rel_gpu()  # this thread's adds, before the next turn

@@ -136,3 +136,43 @@ def test_split_blocks_partition_each_tile(splits):
                 covered += range(b, e)
             assert previous_end == visits, where
             assert sorted(covered) == list(range(n_begin, n_end)), where
+
+
+@pytest.mark.parametrize("chunk", range(4))
+def test_pair_walks_cover_both_blocks_in_step(chunk):
+    """2-CTA pairs of key blocks (kernels/sm90/bwd_pair.py): both blocks of a pair walk
+    the same query tiles, every tile either block sees; a block leaves unmasked only
+    tiles it sees whole; a grid with an odd block count gets a block past Sk, which
+    masks every tile; the pairs' deterministic turns (blocks of 2 * tile_n) at every
+    tile are 0 .. k-1 exactly once."""
+    def pick(c, a, b):
+        return a if c else b
+
+    for sq, sk, lo, hi, (tm, tn) in CASES[chunk::4]:
+        where = f"sq={sq} sk={sk} lo={lo} hi={hi} tile=({tm}, {tn})"
+        pairs = band.ceil_div(band.ceil_div(sk, tn), 2)
+
+        def own(n):  # mask.q_block_range
+            b, e, front, back = band.q_tiles(n * tn, tn, sq, lo, hi, tm)
+            if (n + 1) * tn > sk:
+                front, back = e - b, 0
+            return b, e, front, back
+
+        visits = {}
+        for p in range(pairs):
+            blocks = (2 * p, 2 * p + 1)
+            walks = [band.pair_q_tiles(own(n), own(n ^ 1), pick) for n in blocks]
+            assert walks[0][:2] == walks[1][:2], where
+            begin, end = walks[0][:2]
+            for n, (b, e, front, back) in zip(blocks, walks):
+                assert front >= 0 and back >= 0 and front + back <= e - b, where
+                ob, oe, of, ok = own(n)
+                if oe > ob:
+                    assert b <= ob and oe <= e, where
+                assert set(range(b + front, e - back)) <= set(range(ob + of, oe - ok)), where
+            for m in range(begin, end):
+                visits.setdefault(m, []).append(p)
+        for m, visitors in visits.items():
+            last = band.last_block(m, tm, hi, 2 * tn, pairs)
+            turns = sorted(last - p for p in visitors)
+            assert turns == list(range(len(visitors))), f"{where} tile {m}: {turns}"

@@ -1,7 +1,10 @@
 """Bitwise reproducibility of the deterministic backward (and of the forward) over many
 runs, beyond the causal d128 / d256 cases of test_gpu_transforms.py: no mask, a window,
 segment ids, varlen, GQA and d256 without a mask. Each case has several key blocks per
-query tile, so several CTAs add into every dq tile in the order the semaphores set."""
+query tile, so several CTAs add into every dq tile in the order the semaphores set.
+At d256 and D 192 / Dv 128 the deterministic backward runs 2-CTA pairs
+(kernels/sm90/bwd_pair.py): a window, causal GQA over an odd number of key blocks (900
+keys: 15 blocks of 64, the last pair's second block past Sk) and causal 192 / 128."""
 
 import functools
 
@@ -32,14 +35,17 @@ CASES = {
     "d128-gqa-8-2": dict(d=128, kwargs={}, heads=(8, 2)),
     "d256-none": dict(d=256, kwargs={}),
     "d192v128-none": dict(d=192, dv=128, kwargs={}),
+    "d256-window": dict(d=256, kwargs={"window": (300, 100)}),
+    "d256-causal-gqa-8-2-sk900": dict(d=256, kwargs={"causal": True}, heads=(8, 2), sk=900),
+    "d192v128-causal": dict(d=192, dv=128, kwargs={"causal": True}),
 }
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES)
 def test_deterministic_backward_is_bitwise_reproducible(fa, case):
     heads, varlen = case.get("heads", (4, 4)), case.get("varlen", False)
-    q, k, v, dout, dlse = fa.problem(31, "bfloat16", 2, SQ, SK, *heads, case["d"],
-                                     case.get("dv"))
+    q, k, v, dout, dlse = fa.problem(31, "bfloat16", 2, SQ, case.get("sk", SK), *heads,
+                                     case["d"], case.get("dv"))
     kwargs = dict(case["kwargs"], return_lse=True, implementation="cute", deterministic=True)
     if case.get("segments"):
         kwargs.update(q_segment_ids=_ids(2, SQ), kv_segment_ids=_ids(2, SK))
