@@ -230,6 +230,11 @@ _TILES = {
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
+#   Also measured (H100, 2026-11-27, alternated twice in one call) and not kept:
+#   ping-pong on in this d64 tile, causal 512 / 1k / 2k 0.97 / 0.97-0.98 / 0.99-1.00;
+#   Q in registers (Tile.q_registers) here at d64 and d128 and in _TILES[(128, False)]:
+#   d64 causal 512 / 2k / 8k 0.96-0.99 / 1.03-1.04 / 0.99-1.00, without a mask
+#   0.96-0.97 / 1.00-1.01 / 1.00; d128 0.98-1.02 throughout.
 # float8: fp8 wgmma takes 32 keys per k-step, so blocks are multiples of 32 keys;
 # consumers with ping-pong, two (d128 without a mask: three, below). Shared memory (1
 # byte a value): d128 Q 16 + K 2 x 16 + V 2 x 16 = 80 KB (three consumers with 96-key
