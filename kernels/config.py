@@ -519,6 +519,10 @@ class BwdTile:
 # runs in step with its peer, where the atomic 1-CTA kernel's adds are
 # fire-and-forget, so only deterministic calls (whose turns already tie the blocks of a
 # tile together) take it: pair=True, chosen per call by the deterministic flag.
+# Also measured and not kept (same method, against the pair): each CTA of the pair
+# loading half of the Q and dO tiles and multicasting it to both: deterministic d256
+# 0.90-0.91 without a mask, 1.00-1.01 causal; 192/128 0.98-0.99 / 1.02-1.04 (a slot
+# refills only once both CTAs have released it).
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
