@@ -522,7 +522,9 @@ class BwdTile:
 # Also measured and not kept (same method, against the pair): each CTA of the pair
 # loading half of the Q and dO tiles and multicasting it to both: deterministic d256
 # 0.90-0.91 without a mask, 1.00-1.01 causal; 192/128 0.98-0.99 / 1.02-1.04 (a slot
-# refills only once both CTAs have released it).
+# refills only once both CTAs have released it). The deterministic adds (turn, adds,
+# fence, flag) of the previous step moved from behind the first GEMM to behind the dV
+# and dK GEMMs: d256 0.96-0.99.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
