@@ -192,9 +192,8 @@ class BwdSm90SplitD(BwdSm90):
             warpgroup.wait_group(1)
             bwd_pair.release_slot(walk.pair, c, tidx, WARPGROUP * half_vals * 4)
             warpgroup.wait_group(0)
-            recv = dq_quads(tiles.recv_slots[None, c, stage].iterator, half_vals, tidx)
-            bwd_pair.send(walk.pair, acc_quads(acc_dq, self.dq_vals), tiles.pending, recv, c,
-                          step)
+            bwd_pair.send(walk.pair, acc_quads(acc_dq, self.dq_vals), tiles.pending,
+                          self._received(tiles, stage), c, step)
             for i, value in enumerate((m, head, visit, stage)):
                 tiles.prev[i] = value
         else:
@@ -212,7 +211,7 @@ class BwdSm90SplitD(BwdSm90):
         of the kept half, then the ring slot released and the half added."""
         c, tidx, prev, pending = tiles.c, tiles.tidx, tiles.prev, tiles.pending
         m, head, visit, stage = prev[0], prev[1], prev[2], prev[3]
-        recv = dq_quads(tiles.recv_slots[None, c, stage].iterator, self.dq_vals // 2, tidx)
+        recv = self._received(tiles, stage)
         full = walk.pair.full(c)
         first = walk.pair.rank * (self.dq_vals // QUAD // 2)
         q_ring, do_ring = smem.rings
@@ -222,6 +221,12 @@ class BwdSm90SplitD(BwdSm90):
             q_ring.consumer_release(state)
             do_ring.consumer_release(state)
             self._add_dq(pending, first, m, head, visit, c, tidx, gmem, run, walk)
+
+    def _received(self, tiles, stage):
+        """This thread's (4, quads / 2) view of its consumer's half-part in the Q ring
+        slot of `stage`, where the peer's half lands (the same offsets in the peer)."""
+        return dq_quads(tiles.recv_slots[None, tiles.c, stage].iterator, self.dq_vals // 2,
+                        tiles.tidx)
 
     @cute.jit
     def _add_dq(
