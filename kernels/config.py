@@ -465,8 +465,8 @@ class BwdTile:
     # Deterministic calls run a cluster of two CTAs over adjacent key blocks
     # (kernels/sm90/bwd_pair.py): the pair sums its dQ partials through distributed
     # shared memory, so each query tile takes half the global adds and half the turns.
-    # Split-head-dim tiles only (their dQ goes out from registers; the receive buffer is
-    # the Q ring slot the step has finished with).
+    # Split-head-dim tiles only: the peer's half lands in the Q ring slot the step has
+    # finished with, where the pair's sum waits for the writer warps' bulk add.
     pair: bool = False
 
     @property
@@ -525,6 +525,15 @@ class BwdTile:
 # refills only once both CTAs have released it). The deterministic adds (turn, adds,
 # fence, flag) of the previous step moved from behind the first GEMM to behind the dV
 # and dK GEMMs: d256 0.96-0.99.
+# What the consumers' deterministic adds cost (H100, 2026-11-27, alternated twice in
+# one call, d256, 2k / 16k, against that pair): without the wait for the turn (a wrong
+# order) 0.92-0.94 without a mask, 0.99-1.00 causal: the chain of turns is not it;
+# without the fence before the flag 1.13-1.16: each step waited for its reds to land.
+# So the pair's sum is now staged in the Q ring slot and added by the writer warps
+# (cp.reduce.async.bulk; the turn, the wait for the adds and the flag are theirs):
+# deterministic 1.22-1.27 without a mask, 1.28-1.34 causal against that pair, about
+# 0.83-0.89 of the atomic 1-CTA kernel. Atomic calls paired the same way: 0.86-0.93 of
+# the 1-CTA kernel; they stay 1-CTA.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),

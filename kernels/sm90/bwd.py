@@ -35,7 +35,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order.
-   bwd_split.py's deterministic calls run as 2-CTA pairs (bwd_pair.py).
+   bwd_split.py's deterministic calls run as 2-CTA pairs (bwd_pair.py), whose
+   consumers hand the pair's sum of each dQ half, staged in the Q ring slot, to the
+   same writer warps.
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
    The roles get what they share in four holders built once in `kernel`: Gmem (TMA
    atoms and tensors, the dQ accumulator and semaphores), Scalars (the launch's
@@ -170,8 +172,9 @@ class Smem:
 
 
 class BwdSm90:
-    # Writer warps in the producer warpgroup add the consumers' staged dQ partials.
-    dq_writers = True
+    # The consumers stage their dQ partials in an fp32 buffer (sdQ) for the writer
+    # warps of the producer warpgroup to add (2-CTA pairs stage them in the Q ring).
+    staged_dq = True
     # (tile_m, tile_n) 16-bit tiles staged per ring stage: dS^T.
     staged_s_tiles = 1
     # Column parts of the Q, dO and V tiles that a GEMM takes on its own (the split
@@ -195,7 +198,7 @@ class BwdSm90:
         # configurations, run it 1-CTA.
         self.pair = False
         self.pair_deterministic = cfg.pair
-        assert not (cfg.pair and self.dq_writers), "pairs send dQ from registers"
+        assert not (cfg.pair and self.staged_dq), "pairs stage dQ in the Q ring (bwd_pair)"
         self.threads = WARPGROUP * (1 + self.consumers)
         # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
         self.dq_cols = self.head_dim // self.consumers
@@ -451,7 +454,7 @@ class BwdSm90:
             sDsum: cute.struct.Align[cute.struct.MemRange[Float32, rows], 128]
             if self.pair:
                 pair_mbar: cute.struct.MemRange[Int64, 2 * self.consumers]  # bwd_pair.Pair
-            if self.dq_writers:
+            if self.staged_dq:
                 sdQ: cute.struct.Align[cute.struct.MemRange[Float32, self.tile_m * self.head_dim], 128]
             sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
             sdO: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sdO_layout)], 1024]
@@ -521,8 +524,11 @@ class BwdSm90:
                 cute.arch.mbarrier_init(kv_full, 1)
                 if cutlass.const_expr(self.pair):
                     bwd_pair.init_barriers(storage.pair_mbar.data_ptr(), self.consumers)
-        q_ring = self._ring(storage.q_mbar.data_ptr(), self.q_bytes)
-        do_ring = self._ring(storage.do_mbar.data_ptr(), self.do_bytes)
+        # one release per consumer warp; in a pair the writer warps release Q's slots
+        consumer_warps = WARPGROUP // WARP * self.consumers
+        q_ring = self._ring(storage.q_mbar.data_ptr(), self.q_bytes,
+                            self.consumers if self.pair else consumer_warps)
+        do_ring = self._ring(storage.do_mbar.data_ptr(), self.do_bytes, consumer_warps)
         q_producer, q_consumer = q_ring.make_participants()
         do_producer, do_consumer = do_ring.make_participants()
         cute.arch.mbarrier_init_fence()
@@ -576,22 +582,23 @@ class BwdSm90:
             if warp == 0:
                 self.load(gmem, smem, walk, q_producer, do_producer)
             # Nested: the DSL only resolves a const_expr that stands alone in its `if`.
-            if cutlass.const_expr(self.dq_writers):  # noqa: SIM102
+            if cutlass.const_expr(self.staged_dq or self.pair):  # noqa: SIM102
                 if warp >= 1 and warp <= self.consumers:
-                    self.dq_writer(storage.sdQ.data_ptr(), gmem, run, walk, warp - 1,
-                                   tidx % WARP)
+                    self.dq_writer(self._staged_dq(storage), gmem, run, walk, smem,
+                                   warp - 1, tidx % WARP)
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS[self.consumers])
             self.mma(gmem, run, walk, smem, storage, q_consumer, do_consumer, wg - 1,
                      tidx % WARPGROUP, warp)
 
-    def _ring(self, barriers, tx_count: int):
+    def _ring(self, barriers, tx_count: int, releases: int):
+        """A q_stages-deep TMA ring whose slots are freed by `releases` warps (each
+        PipelineTmaAsync release signals from lane 0)."""
         return pipeline.PipelineTmaAsync.create(
             barrier_storage=barriers,
             num_stages=self.q_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 1),
-            # one release per consumer warp (PipelineTmaAsync signals from lane 0)
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 4 * self.consumers),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, releases),
             tx_count=tx_count,
             defer_sync=True,
         )
@@ -659,17 +666,33 @@ class BwdSm90:
         cute.copy(row_atom, row_src, row_ring[None, handle.index], tma_bar_ptr=handle.barrier)
         return producer
 
+    def _staged_dq(self, storage):
+        """Where the consumers stage their dQ partials: the sdQ buffer, consumer c's at
+        c * tile_m * dq_cols; in a pair, the Q ring as fp32, consumer c's half-part of
+        stage `stage` at (stage * consumers + c) * tile_m * dq_cols / 2 (bwd_pair)."""
+        if cutlass.const_expr(self.pair):
+            return cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
+        return storage.sdQ.data_ptr()
+
     @cute.jit
-    def dq_writer(self, sdQ_ptr, gmem: Gmem, run: Scalars, walk: Walk, c: Int32, lane: Int32):
-        """Reduce-adds consumer c's staged dQ partials (at sdQ_ptr) into the accumulator.
-        One writer warp per consumer, so a deterministic wait for one half never delays
-        the other. Lane 0 issues and waits for every bulk copy (bulk groups are per
+    def dq_writer(self, staged, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem, c: Int32,
+                  lane: Int32):
+        """Reduce-adds consumer c's staged dQ partials (`staged`, _staged_dq) into the
+        accumulator: the whole part from sdQ, or in a pair the pair's sum of half
+        `rank`, after which the writer releases the Q ring slot it was staged in. One
+        writer warp per consumer, so a deterministic wait for one half never delays the
+        other. Lane 0 issues and waits for every bulk copy (bulk groups are per
         thread)."""
         mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
         heads, batch, seg = walk.heads, walk.batch, walk.seg
         m_begin, m_end = walk.m_begin, walk.m_end
         part = self.tile_m * self.dq_cols
-        src = sdQ_ptr + c * part
+        added, adders, first = part, 1, 0
+        if cutlass.const_expr(self.pair):
+            # both CTAs take the pair's turn: it passes on after two increments
+            added, adders, first = part // 2, 2, walk.pair.rank * (part // 2)
+        q_ring, _ = smem.rings
+        step = Int32(0)
         head0, group = heads
         for head in cutlass.range(head0, head0 + group, unroll=1):
             acc_row = mdQaccum[batch, head, None]
@@ -680,22 +703,34 @@ class BwdSm90:
                 if lane == 0:
                     slot = m * self.consumers + c
                     flag = sem_row.iterator + slot
+                    dst = acc_row.iterator + slot * part + first
+                    src = staged + c * part
+                    stage = step % self.q_stages
+                    if cutlass.const_expr(self.pair):
+                        src = staged + (stage * self.consumers + c) * added
                     if deterministic != 0:
                         # the key blocks before this one in the tile's order have all added
                         mine = self._dq_turn(m, i, run, walk)
                         turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                        while turn != mine:
+                        while turn // adders != mine:
                             turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                    _bulk_reduce_add_f32(acc_row.iterator + slot * part, src, part * 4)
+                    _bulk_reduce_add_f32(dst, src, added * 4)
                     cute.arch.cp_async_bulk_commit_group()
+                    if cutlass.const_expr(self.pair):
+                        cute.arch.cp_async_bulk_wait_group(0, read=True)
+                        q_ring.consumer_release(
+                            pipeline.PipelineState(self.q_stages, Int32(0), stage, Int32(0)))
                     if deterministic != 0:
                         cute.arch.cp_async_bulk_wait_group(0)  # the adds are done, not just read
                         cute.arch.fence_proxy("async.global")
                         cute.arch.atomic_add(flag, Int32(1), sem="release", scope="gpu")
                     else:
-                        cute.arch.cp_async_bulk_wait_group(0, read=True)
-                if (head0 + group - 1 - head) + (m_end - 1 - i) > 0:  # not the last tile
-                    self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
+                        if cutlass.const_expr(not self.pair):
+                            cute.arch.cp_async_bulk_wait_group(0, read=True)
+                if cutlass.const_expr(not self.pair):  # noqa: SIM102
+                    if (head0 + group - 1 - head) + (m_end - 1 - i) > 0:  # not the last tile
+                        self._dq_barrier(Barrier.DQ_EMPTY + c).arrive()
+                step += 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
 
@@ -765,7 +800,7 @@ class BwdSm90:
         self._walk_tiles(tiles, gmem, run, walk, smem, q_consumer, do_consumer)
         if cutlass.const_expr(self.pair):  # the last step's exchange (bwd_pair)
             steps = walk.heads[1] * (walk.m_end - walk.m_begin)
-            self._finish_pair(tiles, steps, gmem, run, walk, smem)
+            self._finish_pair(tiles, steps, smem, walk)
         self.epilogue(tiles.acc_dk, tiles.acc_dv, run.scale, gmem, smem, walk, c, tidx, warp)
 
     @cute.jit

@@ -7,7 +7,7 @@ layout, J = dq_vals / 8: one contiguous half of the accumulator part) and sends 
 other half to its peer, so each query tile gets half the global reduce-adds of two
 1-CTA blocks, and the deterministic order has one turn per pair. Only deterministic
 calls launch it (BwdSm90.__call__): the pair runs in step with its peer, which costs
-the atomic calls more than half their adds (kernels/config.py above _BWD_TILES).
+the atomic calls more than half their adds save (kernels/config.py above _BWD_TILES).
 
 The peer's half lands in this CTA's Q ring slot of the step, which holds exactly half
 a partial (tile_m * D 16-bit values = tile_m * D / 2 fp32): consumer c's half-part in
@@ -23,10 +23,12 @@ two barriers free[c] and full[c]. Per step, for consumer c of each CTA:
        the peer's region c, completing the bytes on the peer's full[c]; the kept half
        waits in registers (`pending`);
     3. in the next step, once its first GEMM is issued (receive): wait on full[c], add
-       the received half to the pending one; the caller then releases the ring slot
-       and adds the pending half. Deferring this hides the exchange's round trip
-       behind that GEMM; the slot is still released early enough for the producer to
-       load it again in time (two stages); the walk's last step is received after it.
+       the pending half to the received one in place, and hand the sum to consumer c's
+       writer warp, which reduce-adds it to global memory (in the pair's turn, in
+       deterministic mode) and then releases the Q ring slot. Deferring the receive
+       hides the exchange's round trip behind that GEMM; the walk's last step is
+       received after it. The consumers issue no global adds and never wait for a
+       turn: that waiting is the writers'.
 
 Each barrier completes one phase per step: the peer's arrivals for step t + 1 follow
 its wait on this CTA's step-t bytes, which follow this CTA's step-t wait on `free`.
@@ -104,9 +106,10 @@ def send(pair: Pair, acc_q, pending, recv, c: Int32, step: Int32):
 
 @cute.jit
 def receive(full, pending, recv, step: Int32):
-    """Adds the half the peer sent at step `step` (recv, as in send) to `pending`, once
-    consumer c's barrier full[c] (`full`) has its bytes."""
+    """Once consumer c's barrier full[c] (`full`) has the bytes the peer sent at step
+    `step`, adds the kept half (`pending`) to them in place (recv, as in send): each
+    thread rewrites only the values it was sent."""
     cute.arch.mbarrier_wait(full, step % 2)
     for j in cutlass.range_constexpr(cute.size(pending, mode=[1])):
         for i in cutlass.range_constexpr(4):
-            pending[i, j] = pending[i, j] + recv[i, j]
+            recv[i, j] = pending[i, j] + recv[i, j]

@@ -17,13 +17,14 @@ consumer 1 reads that in place of P^T (kernels/sm90/softcap.py).
         dV_h += P^T dO_h,   dK_h += dS^T Q_h,   dQ_h = dS K_h
 
 P^T and dS^T are staged per ring stage, so a consumer may start the next query tile
-while the other still reads this one. There is no room to stage dQ for bulk adds:
-each consumer adds its dQ_h from registers with red.global.add.v4.f32, 16 bytes per
-instruction, into the same quad layout as bwd.py (a warp instruction covers 512
-contiguous bytes), so the postprocess is shared. Deterministic mode orders these adds with the
-same per-(query tile, half) semaphores. Deterministic calls run the kernel as a 2-CTA
-pair over adjacent key blocks, which sums its dQ halves through distributed shared
-memory before these adds (kernels/sm90/bwd_pair.py).
+while the other still reads this one. A 1-CTA kernel has no room to stage dQ for bulk
+adds: each consumer adds its dQ_h from registers with red.global.add.v4.f32, 16 bytes
+per instruction, into the same quad layout as bwd.py (a warp instruction covers 512
+contiguous bytes), so the postprocess is shared; deterministic mode orders these adds
+with the same per-(query tile, half) semaphores. Deterministic calls run the kernel as
+a 2-CTA pair over adjacent key blocks, which sums its dQ halves through distributed
+shared memory in the Q ring slot of the step, where the writer warps of bwd.py take
+the sum (kernels/sm90/bwd_pair.py).
 """
 
 import enum
@@ -36,7 +37,7 @@ from cutlass import Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
 from kernels.config import BwdConfig
-from kernels.sm90 import bwd_pair, softcap, wgmma
+from kernels.sm90 import bwd, bwd_pair, softcap, wgmma
 from kernels.sm90.bwd import (KEYS_PER_CONSUMER, QUAD, WARPGROUP, BwdSm90, Gmem, Scalars,
                                Smem, Walk, _Tiles, acc_quads, dq_quads)
 from kernels.sm90.fragments import rows_cols
@@ -47,11 +48,13 @@ class Barrier(enum.IntEnum):
 
     P_READY = 1  # consumer 0 -> consumer 1: P^T of this query tile is staged
     DS_READY = 2  # both consumers: P^T and dS^T of this query tile are staged
-    DQ_TURN = 3  # within consumer c (DQ_TURN + c): deterministic turn taken / adds done
+    # 1-CTA kernels, within consumer c (DQ_TURN + c): deterministic turn taken / adds
+    # done (past bwd.Barrier's ids, which pairs use for their writer warps)
+    DQ_TURN = 7
 
 
 class BwdSm90SplitD(BwdSm90):
-    dq_writers = False
+    staged_dq = False
     # Per ring stage: dS^T in stages [0, q_stages), P^T in [q_stages, 2 * q_stages).
     staged_s_tiles = 2
     col_parts = 2
@@ -100,17 +103,17 @@ class BwdSm90SplitD(BwdSm90):
         if cutlass.const_expr(self.pair):
             # per ring stage and consumer, the half-part the peer sends lands in the
             # stage's Q slot, as fp32 in the quad layout; the kept half waits in
-            # `pending` for the next step, whose (m, head, visit, stage) `prev` holds
+            # `pending` for the next step, and the step's ring stage in `prev_stage`
             half = tm * dc // 2
-            prev = cute.make_rmem_tensor(cute.make_layout(4), Int32)
-            prev.fill(0)
+            prev_stage = cute.make_rmem_tensor(cute.make_layout(1), Int32)
+            prev_stage.fill(0)
             pair_views = dict(
                 recv_slots=cute.make_tensor(
                     cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32),
                     cute.make_layout((half, self.consumers, stages))),
                 pending=cute.make_rmem_tensor(
                     cute.make_layout((QUAD, self.dq_vals // QUAD // 2)), Float32),
-                prev=prev,
+                prev_stage=prev_stage,
             )
         return _Tiles(frags=frags, sP=sP, sdS_now=sdS_now, acc_dv=acc_dv, acc_dk=acc_dk,
                       c=c, tidx=tidx, key0=key0, **pair_views)
@@ -144,7 +147,7 @@ class BwdSm90SplitD(BwdSm90):
         if c == 0:
             wgmma.gemm(self._sdp_mma(), acc, frags.k, frags.q[None, None, None, stage], True)
             if cutlass.const_expr(self.pair):  # the previous step's exchange, behind the GEMM
-                self._finish_pair(tiles, step, gmem, run, walk, smem)
+                self._finish_pair(tiles, step, smem, walk)
             warpgroup.wait_group(0)
             s_rc = rows_cols(acc)
             slope = cute.make_rmem_tensor(acc.layout, self.dtype)
@@ -166,7 +169,7 @@ class BwdSm90SplitD(BwdSm90):
         else:
             wgmma.gemm(self._sdp_mma(), acc, frags.v, frags.do[None, None, None, stage], True)
             if cutlass.const_expr(self.pair):
-                self._finish_pair(tiles, step, gmem, run, walk, smem)
+                self._finish_pair(tiles, step, smem, walk)
             warpgroup.wait_group(0)
             self._pair_barrier(Barrier.P_READY).arrive_and_wait()
             # Each thread reads the elements it then overwrites with dS^T: no other thread
@@ -194,33 +197,30 @@ class BwdSm90SplitD(BwdSm90):
             warpgroup.wait_group(0)
             bwd_pair.send(walk.pair, acc_quads(acc_dq, self.dq_vals), tiles.pending,
                           self._received(tiles, stage), c, step)
-            for i, value in enumerate((m, head, visit, stage)):
-                tiles.prev[i] = value
+            tiles.prev_stage[0] = stage
         else:
             warpgroup.wait_group(0)
             q_handle.release()
             do_handle.release()
-            self._add_dq(acc_quads(acc_dq, self.dq_vals), Int32(0), m, head, visit, c, tidx,
-                         gmem, run, walk)
+            self._add_dq(acc_quads(acc_dq, self.dq_vals), m, head, visit, c, tidx, gmem, run,
+                         walk)
         return q_consumer, do_consumer
 
     @cute.jit
-    def _finish_pair(self, tiles, step: Int32, gmem: Gmem, run: Scalars, walk: Walk,
-                     smem: Smem):
+    def _finish_pair(self, tiles, step: Int32, smem: Smem, walk: Walk):
         """Step step - 1's exchange, if there was one (bwd_pair.receive): the pair's sum
-        of the kept half, then the ring slot released and the half added."""
-        c, tidx, prev, pending = tiles.c, tiles.tidx, tiles.prev, tiles.pending
-        m, head, visit, stage = prev[0], prev[1], prev[2], prev[3]
-        recv = self._received(tiles, stage)
-        full = walk.pair.full(c)
-        first = walk.pair.rank * (self.dq_vals // QUAD // 2)
-        q_ring, do_ring = smem.rings
-        state = pipeline.PipelineState(self.q_stages, Int32(0), stage, Int32(0))
+        of the kept half staged where the peer's half landed, for consumer c's writer
+        warp (BwdSm90.dq_writer), which adds it and releases the Q slot; the dO slot is
+        released here."""
+        c, stage = tiles.c, tiles.prev_stage[0]
+        full, recv = walk.pair.full(c), self._received(tiles, stage)
+        _, do_ring = smem.rings
         if step > 0:
-            bwd_pair.receive(full, pending, recv, step - 1)
-            q_ring.consumer_release(state)
-            do_ring.consumer_release(state)
-            self._add_dq(pending, first, m, head, visit, c, tidx, gmem, run, walk)
+            bwd_pair.receive(full, tiles.pending, recv, step - 1)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            self._dq_barrier(bwd.Barrier.DQ_FULL + c).arrive()
+            do_ring.consumer_release(
+                pipeline.PipelineState(self.q_stages, Int32(0), stage, Int32(0)))
 
     def _received(self, tiles, stage):
         """This thread's (4, quads / 2) view of its consumer's half-part in the Q ring
@@ -230,31 +230,29 @@ class BwdSm90SplitD(BwdSm90):
 
     @cute.jit
     def _add_dq(
-        self, src, first: Int32, m: Int32, head: Int32, visit: Int32, c: Int32, tidx: Int32,
-        gmem: Gmem, run: Scalars, walk: Walk,
+        self, src, m: Int32, head: Int32, visit: Int32, c: Int32, tidx: Int32, gmem: Gmem,
+        run: Scalars, walk: Walk,
     ):
-        """Adds consumer c's dQ partial for query tile m of `head` (visit `visit` of the
-        walk), src (4, n) in quads (bwd.py), to quads [first, first + n) of its part of
-        the accumulator; in deterministic mode only on this key block's turn, then
-        passes the turn on. In a 2-CTA pair src is the pair's sum of half `rank` and
-        both CTAs take the pair's turn, so it passes on after two increments."""
+        """1-CTA kernels: adds consumer c's dQ partial for query tile m of `head` (visit
+        `visit` of the walk), src (4, dq_vals / 4) in quads (bwd.py), to its part of the
+        accumulator from registers; in deterministic mode only on this key block's turn,
+        then passes the turn on. (Pairs stage the pair's sum for writer warps.)"""
         mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
         batch = walk.batch
         slot = m * self.consumers + c
         part = self.tile_m * self.dq_cols
         dst = dq_quads(mdQaccum[batch, head, None].iterator + slot * part, self.dq_vals, tidx)
-        adders = 2 if self.pair else 1
         flag = mSem[batch, head, None].iterator + slot
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
                 mine = self._dq_turn(m, visit, run, walk)
                 turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                while turn // adders != mine:
+                while turn != mine:
                     turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
             turn_barrier.arrive_and_wait()
         for j in cutlass.range_constexpr(cute.size(src, mode=[1])):
-            cute.arch.red(dst[None, first + j].iterator, src[None, j].load(), op="add",
+            cute.arch.red(dst[None, j].iterator, src[None, j].load(), op="add",
                           dtype=Float32, sem="relaxed", scope="gpu")
         if deterministic != 0:
             cute.arch.fence_acq_rel_gpu()  # this thread's adds, before the next turn
