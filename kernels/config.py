@@ -462,7 +462,7 @@ class BwdTile:
     q_stages: int
     split_head_dim: bool = False
     consumers: int = 2
-    # Deterministic calls run a cluster of two CTAs over adjacent key blocks
+    # The main kernel runs as a cluster of two CTAs over adjacent key blocks
     # (kernels/sm90/bwd_pair.py): the pair sums its dQ partials through distributed
     # shared memory, so each query tile takes half the global adds and half the turns.
     # Split-head-dim tiles only: the peer's half lands in the Q ring slot the step has
@@ -517,8 +517,9 @@ class BwdTile:
 # (pair2): atomic 0.82-0.98, deterministic 0.93-1.05; with one barrier pair for both
 # consumers and the slot freed after the dQ GEMM (pair1): atomic 0.71-0.85. The pair
 # runs in step with its peer, where the atomic 1-CTA kernel's adds are
-# fire-and-forget, so only deterministic calls (whose turns already tie the blocks of a
-# tile together) take it: pair=True, chosen per call by the deterministic flag.
+# fire-and-forget, so at first only deterministic calls (whose turns already tie the
+# blocks of a tile together) took it; since the writer warps and the relaxed arrive
+# (below), every call does.
 # Also measured and not kept (same method, against the pair): each CTA of the pair
 # loading half of the Q and dO tiles and multicasting it to both: deterministic d256
 # 0.90-0.91 without a mask, 1.00-1.01 causal; 192/128 0.98-0.99 / 1.02-1.04 (a slot
@@ -531,9 +532,15 @@ class BwdTile:
 # without the fence before the flag 1.13-1.16: each step waited for its reds to land.
 # So the pair's sum is now staged in the Q ring slot and added by the writer warps
 # (cp.reduce.async.bulk; the turn, the wait for the adds and the flag are theirs):
-# deterministic 1.22-1.27 without a mask, 1.28-1.34 causal against that pair, about
-# 0.83-0.89 of the atomic 1-CTA kernel. Atomic calls paired the same way: 0.86-0.93 of
-# the 1-CTA kernel; they stay 1-CTA.
+# deterministic 1.22-1.27 without a mask, 1.28-1.34 causal against that pair (D 192 /
+# Dv 128: 1.32-1.44), about 0.83-0.89 of the atomic 1-CTA kernel. Atomic calls paired
+# the same way ran 0.86-0.93 of the 1-CTA kernel, until ncu put 11% of the stall
+# samples on the membar.gpu of the consumers' release arrive on the peer's free[c]:
+# with a relaxed arrive the atomic pair runs 1.04-1.14x the 1-CTA kernel at d256
+# (D 192 / Dv 128: 1.04-1.08, causal 2k 0.97-0.98), and every call of these kernels
+# is paired. Deterministic calls keep the release arrive: relaxed, they ran 0.97-1.01
+# (192 / 128: 0.94-0.99). Also measured on the writer-warp pair and not kept: the dO
+# slot released after the step's dV GEMM instead of with the Q slot, 0.99-1.01.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     96: BwdTile(m=64, n=128, q_stages=2),
@@ -556,7 +563,7 @@ class BwdConfig(_KernelConfig):
 
     @property
     def pair(self) -> bool:
-        """Whether deterministic calls of this kernel run the 2-CTA pair: segment
+        """Whether this kernel runs as a 2-CTA pair: segment
         variants walk a per-block plan, so two blocks need not visit the same query
         tiles, and stay 1-CTA."""
         return self.tile.pair and not self.segments

@@ -35,9 +35,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order.
-   bwd_split.py's deterministic calls run as 2-CTA pairs (bwd_pair.py), whose
-   consumers hand the pair's sum of each dQ half, staged in the Q ring slot, to the
-   same writer warps.
+   bwd_split.py's kernels (but their segment variants) run as 2-CTA pairs
+   (bwd_pair.py), whose consumers hand the pair's sum of each dQ half, staged in the
+   Q ring slot, to the same writer warps.
    Epilogue: dK * s and dV through shared memory (the K and V buffers) and TMA.
    The roles get what they share in four holders built once in `kernel`: Gmem (TMA
    atoms and tensors, the dQ accumulator and semaphores), Scalars (the launch's
@@ -54,7 +54,6 @@ bulk reduce per consumer, and red.global.add.v4.f32 in bwd_split.py). The postpr
 maps values back to (row, col) with the same MMA layout.
 """
 
-import copy
 import enum
 import math
 
@@ -193,11 +192,9 @@ class BwdSm90:
         self.q_stages = cfg.tile.q_stages
         self.consumers = cfg.tile.consumers
         assert self.tile_n == KEYS_PER_CONSUMER * self.consumers or cfg.tile.split_head_dim
-        # Deterministic calls of a pair configuration run the main kernel as a 2-CTA
-        # pair (`pair` set on a copy: bwd_pair); atomic calls, and every call of other
-        # configurations, run it 1-CTA.
-        self.pair = False
-        self.pair_deterministic = cfg.pair
+        # Pair configurations run the main kernel as a 2-CTA pair (bwd_pair); others,
+        # and their segment variants, 1-CTA.
+        self.pair = cfg.pair
         assert not (cfg.pair and self.staged_dq), "pairs stage dQ in the Q ring (bwd_pair)"
         self.threads = WARPGROUP * (1 + self.consumers)
         # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
@@ -238,15 +235,9 @@ class BwdSm90:
         self.preprocess(mO, mdO, mLSE, mdLSE, mLSE2, mDsum, mdQaccum, mSem).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP, 1, 1], stream=stream
         )
-        main = (mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,
-                scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale, stream)
-        if cutlass.const_expr(self.pair_deterministic):
-            if deterministic != 0:
-                self._launch_paired(*main)
-            else:
-                self._launch_main(*main)
-        else:
-            self._launch_main(*main)
+        self._launch_main(mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows,
+                          mKeys, mPlan, scale_log2, scale, deterministic, band_lo, band_hi,
+                          softcap_scale, stream)
         self.postprocess(mdQaccum, mdQ, scale).launch(
             grid=(n_qtiles, heads, batch), block=[WARPGROUP * self.consumers, 1, 1],
             stream=stream,
@@ -352,14 +343,6 @@ class BwdSm90:
                 cute.autovec_copy(src, dst)
 
     # ------------------------------------------------------------------ main
-    @cute.jit
-    def _launch_paired(self, *main):
-        """_launch_main of this kernel as a 2-CTA pair (bwd_pair). A method of self:
-        the DSL cannot carry another kernel object through __call__'s runtime branch."""
-        paired = copy.copy(self)
-        paired.pair = True
-        paired._launch_main(*main)
-
     @cute.jit
     def _launch_main(
         self, mQ, mK, mV, mdO, mdK, mdV, mLSE2, mDsum, mdQaccum, mSem, mRows, mKeys, mPlan,

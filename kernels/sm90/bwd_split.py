@@ -21,10 +21,10 @@ while the other still reads this one. A 1-CTA kernel has no room to stage dQ for
 adds: each consumer adds its dQ_h from registers with red.global.add.v4.f32, 16 bytes
 per instruction, into the same quad layout as bwd.py (a warp instruction covers 512
 contiguous bytes), so the postprocess is shared; deterministic mode orders these adds
-with the same per-(query tile, half) semaphores. Deterministic calls run the kernel as
-a 2-CTA pair over adjacent key blocks, which sums its dQ halves through distributed
-shared memory in the Q ring slot of the step, where the writer warps of bwd.py take
-the sum (kernels/sm90/bwd_pair.py).
+with the same per-(query tile, half) semaphores. That is the segment variants' path:
+the others run as 2-CTA pairs over adjacent key blocks, which sum their dQ halves
+through distributed shared memory in the Q ring slot of the step, where the writer
+warps of bwd.py take the sum (kernels/sm90/bwd_pair.py).
 """
 
 import enum
@@ -193,7 +193,8 @@ class BwdSm90SplitD(BwdSm90):
             # dK has read Q's half c: the peer's half-part may land there (bwd_pair)
             half_vals = self.dq_vals // 2
             warpgroup.wait_group(1)
-            bwd_pair.release_slot(walk.pair, c, tidx, WARPGROUP * half_vals * 4)
+            bwd_pair.release_slot(walk.pair, c, tidx, WARPGROUP * half_vals * 4,
+                                  run.deterministic)
             warpgroup.wait_group(0)
             bwd_pair.send(walk.pair, acc_quads(acc_dq, self.dq_vals), tiles.pending,
                           self._received(tiles, stage), c, step)
