@@ -103,8 +103,11 @@ ffi::ErrorOr<BwdProblem> Select(const BwdOperands& x, bool banded, float softcap
   if (!ValidSoftcap(softcap, banded))
     return ffi::Error::InvalidArgument("jax_fa4_bwd: softcap must be finite and >= 0, and "
                                        "> 0 only with the banded kernel");
-  p.kernel = FindBwdKernel(*dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v),
-                           banded, softcap > 0.0f, segments);
+  KernelKey key{*dtype, *dtype, static_cast<int>(p.head_dim), static_cast<int>(p.head_dim_v)};
+  key.banded = banded;
+  key.softcap = softcap > 0.0f;
+  key.segments = segments;
+  p.kernel = FindBwdKernel(key);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_bwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) + ", head_dim " +

@@ -202,9 +202,16 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        "banded kernel, as keys_as_m needs split_kernel; "
                                        "long_band needs the banded kernel without split "
                                        "or segments");
-  p.kernel = FindFwdKernel(*dtype, kv_dtype, static_cast<int>(p.head_dim),
-                           static_cast<int>(p.head_dim_v), banded, softcap > 0.0f, segments,
-                           split, paged, keys_as_m, long_band);
+  KernelKey key{*dtype, kv_dtype, static_cast<int>(p.head_dim),
+                static_cast<int>(p.head_dim_v)};
+  key.banded = banded;
+  key.softcap = softcap > 0.0f;
+  key.segments = segments;
+  key.split = split;
+  key.paged = paged;
+  key.keys_as_m = keys_as_m;
+  key.long_band = long_band;
+  p.kernel = FindFwdKernel(key);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
                                        DtypeName(*dtype) +

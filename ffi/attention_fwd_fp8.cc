@@ -71,8 +71,10 @@ ffi::ErrorOr<Fp8Problem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   if (!GroupsHeads(p.heads, p.heads_kv))
     return ffi::Error::InvalidArgument(where + "the heads of k must divide the heads of q: " +
                                        shapes);
-  p.kernel = FindFwdKernel(Dtype::kE4M3, Dtype::kE4M3, static_cast<int>(p.head_dim),
-                           static_cast<int>(p.head_dim), banded, false, false, false, false);
+  KernelKey key{Dtype::kE4M3, Dtype::kE4M3, static_cast<int>(p.head_dim),
+                static_cast<int>(p.head_dim)};
+  key.banded = banded;
+  p.kernel = FindFwdKernel(key);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(where + "no kernel built for head_dim " +
                                        std::to_string(p.head_dim) +

@@ -106,17 +106,14 @@ bool IsLoadedAt(int slot, int32_t device) {
 }
 
 template <typename Args>
-const Kernel<Args>* Find(const Kernel<Args>* table, int n, Dtype dtype, Dtype kv_dtype,
-                         int head_dim, int head_dim_v, bool banded, bool softcap,
-                         bool segments, bool split, bool paged, bool keys_as_m,
-                         bool long_band) {
+const Kernel<Args>* Find(const Kernel<Args>* table, int n, const KernelKey& key) {
   for (int i = 0; i < n; ++i) {
     const Kernel<Args>& k = table[i];
-    if (k.dtype == dtype && k.kv_dtype == kv_dtype && k.head_dim == head_dim &&
-        k.head_dim_v == head_dim_v &&
-        k.banded == banded &&
-        k.softcap == softcap && k.segments == segments && k.split == split &&
-        k.paged == paged && k.keys_as_m == keys_as_m && k.long_band == long_band)
+    if (k.dtype == key.dtype && k.kv_dtype == key.kv_dtype && k.head_dim == key.head_dim &&
+        k.head_dim_v == key.head_dim_v && k.banded == key.banded &&
+        k.softcap == key.softcap && k.segments == key.segments && k.split == key.split &&
+        k.paged == key.paged && k.keys_as_m == key.keys_as_m &&
+        k.long_band == key.long_band)
       return &k;
   }
   return nullptr;
@@ -133,17 +130,12 @@ const char* DtypeName(Dtype dtype) {
   return "?";
 }
 
-const FwdKernel* FindFwdKernel(Dtype dtype, Dtype kv_dtype, int head_dim, int head_dim_v,
-                               bool banded, bool softcap, bool segments, bool split,
-                               bool paged, bool keys_as_m, bool long_band) {
-  return Find(kFwdKernels, kNumFwdKernels, dtype, kv_dtype, head_dim, head_dim_v, banded,
-              softcap, segments, split, paged, keys_as_m, long_band);
+const FwdKernel* FindFwdKernel(const KernelKey& key) {
+  return Find(kFwdKernels, kNumFwdKernels, key);
 }
 
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
-                               bool softcap, bool segments) {
-  return Find(kBwdKernels, kNumBwdKernels, dtype, dtype, head_dim, head_dim_v, banded,
-              softcap, segments, false, false, false, false);
+const BwdKernel* FindBwdKernel(const KernelKey& key) {
+  return Find(kBwdKernels, kNumBwdKernels, key);
 }
 
 BwdExtents WorkspaceExtents(const BwdKernel& kernel, int64_t seqlen_q) {

@@ -164,13 +164,26 @@ extern const int kNumBwdKernels;
 
 const char* DtypeName(Dtype dtype);
 
-// nullptr when no kernel was built for this configuration.
-const FwdKernel* FindFwdKernel(Dtype dtype, Dtype kv_dtype, int head_dim, int head_dim_v,
-                               bool banded, bool softcap, bool segments, bool split,
-                               bool paged, bool keys_as_m = false,
-                               bool long_band = false);
-const BwdKernel* FindBwdKernel(Dtype dtype, int head_dim, int head_dim_v, bool banded,
-                               bool softcap, bool segments);
+// The static choices that name a kernel (kernels/config.py), as a call asks for one:
+// the dtypes and head dims, then the variant flags by name (split, paged, keys_as_m and
+// long_band are the forward's).
+struct KernelKey {
+  Dtype dtype;
+  Dtype kv_dtype;
+  int head_dim;
+  int head_dim_v;
+  bool banded = false;
+  bool softcap = false;
+  bool segments = false;
+  bool split = false;
+  bool paged = false;
+  bool keys_as_m = false;
+  bool long_band = false;
+};
+
+// nullptr when no kernel was built for this key.
+const FwdKernel* FindFwdKernel(const KernelKey& key);
+const BwdKernel* FindBwdKernel(const KernelKey& key);
 
 // Workspace extents of one backward: the last dimension of lse2 and dsum (sq_pad),
 // dq_accum and sem, each (batch, heads, extent).
