@@ -692,11 +692,7 @@ class BwdSm90:
                     if cutlass.const_expr(self.pair):
                         src = staged + (stage * self.consumers + c) * added
                     if deterministic != 0:
-                        # the key blocks before this one in the tile's order have all added
-                        mine = self._dq_turn(m, i, run, walk)
-                        turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                        while turn // adders != mine:
-                            turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                        self._wait_turn(flag, self._dq_turn(m, i, run, walk), adders)
                     _bulk_reduce_add_f32(dst, src, added * 4)
                     cute.arch.cp_async_bulk_commit_group()
                     if cutlass.const_expr(self.pair):
@@ -716,6 +712,15 @@ class BwdSm90:
                 step += 1
         if lane == 0:
             cute.arch.cp_async_bulk_wait_group(0)
+
+    @cute.jit
+    def _wait_turn(self, flag, mine: Int32, adders: cutlass.Constexpr):
+        """Spins until the tile's semaphore at `flag` reaches turn `mine` (each turn is
+        `adders` increments): the key blocks before this one in the tile's order have
+        all added."""
+        turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+        while turn // adders != mine:
+            turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
 
     @cute.jit
     def _dq_turn(self, m: Int32, i: Int32, run: Scalars, walk: Walk):

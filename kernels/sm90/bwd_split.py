@@ -247,10 +247,7 @@ class BwdSm90SplitD(BwdSm90):
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
         if deterministic != 0:
             if tidx == 0:
-                mine = self._dq_turn(m, visit, run, walk)
-                turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
-                while turn != mine:
-                    turn = cute.arch.load(flag, Int32, sem="acquire", scope="gpu")
+                self._wait_turn(flag, self._dq_turn(m, visit, run, walk), 1)
             turn_barrier.arrive_and_wait()
         for j in cutlass.range_constexpr(cute.size(src, mode=[1])):
             cute.arch.red(dst[None, j].iterator, src[None, j].load(), op="add",
