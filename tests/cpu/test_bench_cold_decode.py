@@ -1,0 +1,38 @@
+"""bench.cold_decode: argument checks before anything runs, and how a run's kernels
+are summed per step (the timing itself needs a GPU)."""
+
+import pytest
+
+from bench import cold_decode
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--keys", "0"], "--keys must be >= 1"),
+    (["--heads", "6", "--heads-kv", "4"], "--heads-kv must divide --heads"),
+    (["--backends", "paged,flash"], "unknown backends flash"),
+])
+def test_bad_arguments_stop_before_running(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        cold_decode.parse(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_needs_a_gpu():
+    import jax
+    if jax.default_backend() == "gpu":
+        pytest.skip("runs on CPU only")
+    with pytest.raises(SystemExit, match="needs a GPU"):
+        cold_decode.main([])
+
+
+def test_step_times_sum_each_steps_attention_kernels():
+    split = "kernel_cutlass_kernel_kernelssm90fwdFwdSm90_object_at_x"
+    combine = "kernel_cutlass_kernel_kernelssm90combineSplitCombine_object_at_y"
+    run = [("loop_add_fusion", 0.1), (split, 0.010), (combine, 0.002),
+           ("input_reduce_fusion", 0.1), (split, 0.012), (combine, 0.003)]
+    per_step, times = cold_decode.step_times(run, 2)
+    assert per_step == 2 and times == pytest.approx([0.012, 0.015])
+    cudnn = [("cudnn_generated_fort_native_sdpa_sm80_flash_fprop", 0.03)] * 3
+    assert cold_decode.step_times(cudnn, 3) == (1, pytest.approx([0.03] * 3))
+    with pytest.raises(RuntimeError, match="3 attention kernels in 2 steps"):
+        cold_decode.step_times(cudnn, 2)
