@@ -3,7 +3,10 @@ are summed per step (the timing itself needs a GPU)."""
 
 import pytest
 
-from bench import cold_decode
+
+@pytest.fixture
+def cold_decode(bench_module):
+    return bench_module("cold_decode")
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -11,13 +14,13 @@ from bench import cold_decode
     (["--heads", "6", "--heads-kv", "4"], "--heads-kv must divide --heads"),
     (["--backends", "paged,flash"], "unknown backends flash"),
 ])
-def test_bad_arguments_stop_before_running(argv, message, capsys):
+def test_bad_arguments_stop_before_running(argv, message, capsys, cold_decode):
     with pytest.raises(SystemExit):
         cold_decode.parse(argv)
     assert message in capsys.readouterr().err
 
 
-def test_needs_a_gpu():
+def test_needs_a_gpu(cold_decode):
     import jax
     if jax.default_backend() == "gpu":
         pytest.skip("runs on CPU only")
@@ -25,7 +28,7 @@ def test_needs_a_gpu():
         cold_decode.main([])
 
 
-def test_step_times_sum_each_steps_attention_kernels():
+def test_step_times_sum_each_steps_attention_kernels(cold_decode):
     split = "kernel_cutlass_kernel_kernelssm90fwdFwdSm90_object_at_x"
     combine = "kernel_cutlass_kernel_kernelssm90combineSplitCombine_object_at_y"
     run = [("loop_add_fusion", 0.1), (split, 0.010), (combine, 0.002),
