@@ -9,7 +9,8 @@ back, so part of the cache is still in L2; here a 256 MB pass runs first each ti
 `--flush clean` reads the 256 MB (as the loop reads its weights: L2 is left clean),
 `dirty` writes it (L2 is left full of lines to write back). Each backend runs `--calls`
 steps in one jitted loop whose carry holds the cache (the appending call writes it in
-place) and prints the median CUPTI time of the attention kernels of a step:
+place) and prints the median CUPTI time of the attention kernels of a step (and of
+each, where a split-KV step runs the split kernel and the combine):
 
     paged_append  jax_fa4.paged_attention with the step's own key and value (k_new)
     paged         jax_fa4.paged_attention
@@ -37,14 +38,26 @@ def _is_attention(kernel: str) -> bool:
     return any(part in kernel for part in ("FwdSm90", "FwdKeysAsM", "SplitCombine", "sdpa"))
 
 
-def step_times(kernels, calls: int) -> tuple[int, list[float]]:
-    """(attention kernels a step, each step's attention time) from one run's [(kernel
-    name, ms)] in launch order: a split-KV step's two kernels are summed."""
+def step_times(kernels, calls: int) -> list[list[float]]:
+    """Each step's attention kernels' times, [[ms of its first kernel, ...], ...], from
+    one run's [(kernel name, ms)] in launch order (a split-KV step launches the split
+    kernel and the combine)."""
     times = [ms for kernel, ms in kernels if _is_attention(kernel)]
     if not times or len(times) % calls:
         raise RuntimeError(f"{len(times)} attention kernels in {calls} steps")
     per_step = len(times) // calls
-    return per_step, [sum(times[i:i + per_step]) for i in range(0, len(times), per_step)]
+    return [times[i:i + per_step] for i in range(0, len(times), per_step)]
+
+
+def summary(steps: list[list[float]]) -> str:
+    """The median step's time in us and, for steps of several kernels, each kernel's
+    median."""
+    text = f"{statistics.median(sum(step) for step in steps) * 1e3:8.2f} us a step"
+    if len(steps[0]) > 1:
+        parts = [statistics.median(step[i] for step in steps) * 1e3
+                 for i in range(len(steps[0]))]
+        text += f" (kernels {' + '.join(f'{t:.2f}' for t in parts)})"
+    return text
 
 
 def parse(argv=None):
@@ -126,9 +139,7 @@ def main(argv=None):
             0, args.calls, body, (jnp.zeros_like(q), flush, k, v)))
         _, per_run = profiler.measure(run, aggregate=False, iterations=2)(
             jnp.ones((FLUSH_ELEMENTS,), jnp.bfloat16), k, v)
-        per_step, steps_ms = step_times(per_run[-1], args.calls)
-        print(f"{name:>13}: {statistics.median(steps_ms) * 1e3:8.2f} us a step "
-              f"({per_step} kernel{'s' * (per_step > 1)})", flush=True)
+        print(f"{name:>13}: {summary(step_times(per_run[-1], args.calls))}", flush=True)
 
 
 if __name__ == "__main__":
