@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 import jax_fa4
+from bench.timing import kernel_times
 
 FLUSH_ELEMENTS = 128 << 20  # bf16: 256 MB, five times the H100's L2
 BACKENDS = ("paged_append", "paged", "lengths", "cudnn")
@@ -40,8 +41,8 @@ def _is_attention(kernel: str) -> bool:
 
 def step_times(kernels, calls: int) -> list[list[float]]:
     """Each step's attention kernels' times, [[ms of its first kernel, ...], ...], from
-    one run's [(kernel name, ms)] in launch order (a split-KV step launches the split
-    kernel and the combine)."""
+    one run's [(kernel name, ms)] in launch order (bench.timing.kernel_times; a
+    split-KV step launches the split kernel and the combine)."""
     times = [ms for kernel, ms in kernels if _is_attention(kernel)]
     if not times or len(times) % calls:
         raise RuntimeError(f"{len(times)} attention kernels in {calls} steps")
@@ -90,7 +91,6 @@ def main(argv=None):
     args = parse(argv)
     if jax.default_backend() != "gpu":
         raise SystemExit("bench.cold_decode times GPU kernels: it needs a GPU")
-    from jax.experimental.mosaic.gpu import profiler
 
     b, hq, hkv, d, ps = args.batch, args.heads, args.heads_kv, args.head_dim, args.page_size
     pages_per_seq = -(-args.keys // ps)
@@ -135,11 +135,12 @@ def main(argv=None):
             out, k, v = step(q + (after * 0).astype(q.dtype), k, v)
             return acc + out, flush, k, v
 
-        run = jax.jit(lambda flush, k, v: jax.lax.fori_loop(
-            0, args.calls, body, (jnp.zeros_like(q), flush, k, v)))
-        _, per_run = profiler.measure(run, aggregate=False, iterations=2)(
-            jnp.ones((FLUSH_ELEMENTS,), jnp.bfloat16), k, v)
-        print(f"{name:>13}: {summary(step_times(per_run[-1], args.calls))}", flush=True)
+        def run(flush, k, v, body=body):
+            return jax.lax.fori_loop(0, args.calls, body, (jnp.zeros_like(q), flush, k, v))
+
+        kernels = kernel_times(run, jnp.ones((FLUSH_ELEMENTS,), jnp.bfloat16), k, v,
+                               iterations=2)
+        print(f"{name:>13}: {summary(step_times(kernels, args.calls))}", flush=True)
 
 
 if __name__ == "__main__":
