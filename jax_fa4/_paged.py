@@ -59,7 +59,10 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     v_cache), or (out, lse, k_cache, v_cache) with `return_lse`. The kernels write them
     in place while attending (no scatter runs before): pass the caches as state that
     the caller gives up (a loop carry under jit, or donated), or XLA copies them first.
-    A slot that two sequences' tables share gets one of their rows.
+    A slot that two sequences' tables share gets one of their rows. Such a call visits
+    its key blocks first to last (the new rows' last, so that their write is done before
+    they load) where a call without them goes last to first: its out and lse equal
+    those of scattering first and then attending up to float rounding, not bit for bit.
 
     Float8 caches: k_cache and v_cache (and k_new, v_new) in float8_e4m3fn with a
     bfloat16 q stand for k_cache * k_descale and v_cache * v_descale, each descale None

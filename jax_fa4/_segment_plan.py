@@ -154,34 +154,41 @@ def _visits(rows, keys, tile_m, tile_n, repeat):
 
 
 def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = False,
-                 repeat: int = 1):
+                 repeat: int = 1, ascending: bool = False):
     """(B, query tiles, 1 + key blocks) int32: per query tile, the count of key blocks it
-    visits, then (block << 1) | masked for each, from the last block to the first.
+    visits, then (block << 1) | masked for each, from the last block to the first
+    (`ascending`: from the first to the last, as paged calls that append take them).
     `one_segment`: every row and key has id 0 (no segment ids, no varlen), the same plan
     in fewer steps (`_one_segment_forward_plan`). `repeat`: each row stands for that
     many kernel rows (`_tile_summaries`)."""
     if one_segment:
-        return _one_segment_forward_plan(rows, keys.shape[-1], tile_m, tile_n, repeat)
+        return _one_segment_forward_plan(rows, keys.shape[-1], tile_m, tile_n, repeat,
+                                         ascending)
     visit, masked = _visits(rows, keys, tile_m, tile_n, repeat)
     n = jnp.arange(visit.shape[-1], dtype=jnp.int32)
     code = jnp.where(visit, n * 2 + masked, -1)
-    order = -jnp.sort(-code, axis=-1)  # descending; unvisited (-1) last
+    if ascending:  # unvisited blocks sort last as the largest code, then become -1
+        order = jnp.sort(jnp.where(visit, code, _ID_MAX), axis=-1)
+        order = jnp.where(order == _ID_MAX, -1, order)
+    else:
+        order = -jnp.sort(-code, axis=-1)  # unvisited (-1) last
     count = visit.sum(-1, dtype=jnp.int32)
     return jnp.concatenate([count[..., None], order], axis=-1)
 
 
-def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int, repeat: int):
+def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int, repeat: int,
+                              ascending: bool):
     """forward_plan when all ids are 0: a tile visits the blocks its rows' key ranges
-    span, a run [first, last] listed from last, and masks those that some row sees only
-    in part (or that hold the Sk tail). No sort and no id reductions: a decode step with
-    lengths spends its time in the kernel rather than here."""
+    span, a run [first, last] listed from last (or first), and masks those that some
+    row sees only in part (or that hold the Sk tail). No sort and no id reductions: a
+    decode step with lengths spends its time in the kernel rather than here."""
     lo, hi, _, _, all_begin, all_end = (x[..., None]
                                         for x in _tile_summaries(rows, tile_m, repeat))
     blocks = -(-sk // tile_n)
     i = jnp.arange(blocks, dtype=jnp.int32)
     last = (hi + tile_n - 1) // tile_n - 1  # lo < hi when the tile sees a key
     count = jnp.where(lo < hi, last - lo // tile_n + 1, 0)
-    block = last - i
+    block = lo // tile_n + i if ascending else last - i
     start = block * tile_n
     whole = ((start + tile_n <= sk) & (all_begin <= start) & (all_end >= start + tile_n))
     code = jnp.where(i < count, block * 2 + ~whole, -1)

@@ -40,12 +40,12 @@ Warpgroup roles:
          its K and V blocks into two kv_stages-deep rings (separate pipelines, so
          S = Q K^T can start before V has landed); the other warps idle with few
          registers.
-  1..C   consumers, 64 query rows each. Key blocks are visited last to first. Each step
-         issues S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back (wgmma, P from
-         registers), then runs the online softmax of S_j while the PV product is still
-         on the tensor cores. With the tile's `pingpong`, named barriers make the
-         consumers take turns issuing their wgmma, so one's softmax hides under the
-         other's MMA.
+  1..C   consumers, 64 query rows each. Key blocks are visited last to first (segment
+         variants: in their plan's order). Each step issues S_j = Q K_j^T and
+         O += P_{j-1} V_{j-1} back to back (wgmma, P from registers), then runs the
+         online softmax of S_j while the PV product is still on the tensor cores. With
+         the tile's `pingpong`, named barriers make the consumers take turns issuing
+         their wgmma, so one's softmax hides under the other's MMA.
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
          Split variants store their fp32 O from registers, rows past Sq skipped. The
@@ -636,17 +636,18 @@ class FwdSm90:
         their pages, then arrive on smem.appended, which the loading warps wait for
         (only when there are new rows)."""
         if walk.cache.new.k.shape[0] > 0:
-            # Visits run from the last block down, so the walk stops after the first
-            # block that starts at or below the first new key: a decode step stores
-            # after one plan read, not one per visit.
+            # An appending call's plan runs upwards, so the walk goes from its last
+            # visit down and stops after the first block that starts at or below the
+            # first new key: a decode step stores after one plan read, not one per
+            # visit.
             first_new = paged.first_new_key(walk.cache)
-            visits = walk.n_end - walk.n_begin
-            i, more = Int32(0), visits > 0
+            i = walk.n_end - walk.n_begin - 1
+            more = i >= 0
             while more:
                 block = self._kv_block(i, walk.n_end, walk.seg)
                 paged.append_rows(block, first_new, walk.cache, self.tile_n)
-                i = i + 1
-                more = (i < visits) & (block * self.tile_n > first_new)
+                i = i - 1
+                more = (i >= 0) & (block * self.tile_n > first_new)
             # The blocks' TMA copies (the async proxy) must see every lane's stores.
             cute.arch.fence_proxy("async.global")
             cute.arch.sync_warp()

@@ -15,9 +15,11 @@ that runs past the table (the Sk tail) loads a real page and the mask hides it.
 A call may append the keys and values of its Sq new tokens (mNewK (B, Sq, Hkv, D), mNewV
 (B, Sq, Hkv, Dv); Sq 0: none) at keys L - Sq .. L - 1 of each batch, L its clipped length,
 whose query rows see them: an otherwise idle producer warp stores the new rows that
-fall in the CTA's key blocks into their pages (`append_rows`) while the loading warps
-wait (fwd.py), so that the blocks' TMA copies read them, and no scatter runs before the
-kernel. L is the last query row's key_end (the rows' bottom-right alignment: that row
+fall in the CTA's key blocks into their pages (`append_rows`), and no scatter runs
+before the kernel; the loads of those blocks wait for it (fwd.py), so that their TMA
+copies read the rows. An appending call's plan lists blocks upwards
+(jax_fa4/_ffi_calls.py): the blocks with new rows are a CTA's last, whose loads find the
+append done. L is the last query row's key_end (the rows' bottom-right alignment: that row
 sees the keys up to L, and none when L is 0).
 """
 
@@ -120,14 +122,12 @@ def load_block(atom, tma_cache, pieces_ring, first_piece: Int32, block: Int32, p
     """TMA key block `block` into pieces first_piece .. of pieces_ring, PAGE_ROWS keys
     at a time, each from its page (block_pages); all complete on `barrier`.
     keys_major: K's (PAGE_ROWS, D) boxes; else V^T's (Dv, PAGE_ROWS); `box` is that
-    shape. A call that appends first waits for the append warp (`appended`): here,
-    after the plan and table reads rather than before them, the append overlaps them,
-    and once the barrier's phase is done a wait returns at once. With the append warp's
-    early stop (fwd.py), the generation example's batch-32 paged kernel went from 37.0
-    to 35.0 us per call in the decode loop and its time from 1.03-1.04x to 1.01x of the
-    cuDNN dense model's (H100, 2026-11-26, alternated twice)."""
+    shape. A block that takes some of the call's new rows first waits for the append
+    warp (`appended`): an appending call's plan runs upwards, so those blocks come last
+    and find the append done; the other blocks load at once."""
     if cache.new.k.shape[0] > 0:
-        cute.arch.mbarrier_wait(appended, 0)
+        if (block + 1) * tile_n > first_new_key(cache):
+            cute.arch.mbarrier_wait(appended, 0)
     for i, (_, piece) in enumerate(_pieces(block, cache, tile_n)):
         rows = tma_cache[None, None, cache.kv_head, pages[i]]
         g = cute.local_tile(rows, box, (None, 0) if keys_major else (0, None))

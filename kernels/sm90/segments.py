@@ -11,10 +11,11 @@ Per batch b (int32, all written by jax_fa4):
     plan  per tile, entry 0 is the count c of blocks it visits, entries 1 .. c are
           (block << 1) | masked, masked meaning the block needs element masking.
           Forward (B, query tiles, 1 + key blocks): key blocks from the last to the
-          first. Backward (B, key blocks, 1 + 2 * query tiles): query tiles in ascending
-          order, and entry 1 + query tiles + i is the deterministic dQ turn of visit i
-          (the number of key blocks above this one that visit the same query tile: they
-          add in descending order, as the grid launches them).
+          first (paged calls that append: from the first to the last). Backward (B,
+          key blocks, 1 + 2 * query tiles): query tiles in ascending order, and entry
+          1 + query tiles + i is the deterministic dQ turn of visit i (the number of
+          key blocks above this one that visit the same query tile: they add in
+          descending order, as the grid launches them).
 Blocks left out of the plan are never loaded. Rows and keys past Sq / Sk are never read:
 indices are clamped, and key_end <= Sk.
 """

@@ -126,6 +126,21 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
                     assert bwd_visits[(m, n)][0] == fwd_visits[(m, n)]
             down = sorted((n for (t, n) in bwd_visits if t == m), reverse=True)
             assert [bwd_visits[(m, n)][1] for n in down] == list(range(len(down)))
+    _check_ascending(fwd, _segment_plan.forward_plan(rows, keys, tile_m, tile_n,
+                                                     ascending=True))
+
+
+def _check_ascending(plan, ascending):
+    """The ascending plan (paged kernels) lists the same visits in reverse, with the
+    same count and the same -1 fill after them."""
+    plan, ascending = np.asarray(plan), np.asarray(ascending)
+    assert ascending.shape == plan.shape
+    np.testing.assert_array_equal(ascending[..., 0], plan[..., 0])
+    for row, up in zip(plan.reshape(-1, plan.shape[-1]),
+                       ascending.reshape(-1, plan.shape[-1])):
+        count = row[0]
+        np.testing.assert_array_equal(up[1:1 + count], row[1:1 + count][::-1])
+        assert (up[1 + count:] == -1).all()
 
 
 @pytest.mark.parametrize("kwargs", [
@@ -203,9 +218,11 @@ def test_one_segment_forward_plan_is_the_plan(seed):
     rows, keys = _segment_plan.padded_rows(spec, sq, sk, batch=b, **arrays)
     if seed % 3 == 0:  # pack-GQA: each row repeated per query head of a group
         rows = jnp.repeat(rows, 4, axis=-1)
-    np.testing.assert_array_equal(
-        _segment_plan.forward_plan(rows, keys, tile_m, tile_n, one_segment=True),
-        _segment_plan.forward_plan(rows, keys, tile_m, tile_n))
+    for ascending in (False, True):
+        np.testing.assert_array_equal(
+            _segment_plan.forward_plan(rows, keys, tile_m, tile_n, one_segment=True,
+                                       ascending=ascending),
+            _segment_plan.forward_plan(rows, keys, tile_m, tile_n, ascending=ascending))
 
 
 @pytest.mark.parametrize("seed", range(48))

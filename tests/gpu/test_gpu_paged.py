@@ -162,10 +162,14 @@ def _appending(seed, batch, page_size, max_pages, sq, d, dtype=jnp.bfloat16):
     (40, 64, 64, 1, True),  # a batch that fills the GPU: one split
 ])
 def test_appending_rows(fa, batch, page_size, d, sq, causal):
-    """The kernel writes k_new / v_new into their pages as it attends: out, lse and
-    both caches bit for bit those of scattering them first (`_paged.append`, XLA) and
-    then attending without appending. Lengths: ragged, shorter than the new rows (the
-    first are dropped), zero, and past the table (clipped)."""
+    """The kernel writes k_new / v_new into their pages as it attends: both caches bit
+    for bit those of scattering them first (`_paged.append`, XLA), out and lse within
+    the rule on the keys so written. Not bit for bit the call that scatters first and
+    then attends: an appending call visits its key blocks upwards (the new rows' blocks
+    last, jax_fa4/_ffi_calls.py), the other downwards, so P is rounded to 16 bits
+    against other running maxima (up to 7 bf16 units in the last place apart, seen on
+    an H100). Lengths: ragged, shorter than the new rows (the first are dropped), zero,
+    and past the table (clipped)."""
     max_pages = 4096 // page_size
     q, k_cache, v_cache, table, k_new, v_new = _appending(batch + d, batch, page_size,
                                                           max_pages, sq, d)
@@ -179,26 +183,21 @@ def test_appending_rows(fa, batch, page_size, d, sq, causal):
         return jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, k_new=k_new,
                                        v_new=v_new, causal=causal, return_lse=True)
 
-    @jax.jit
-    def scattered(q, k_cache, v_cache, table, lengths, k_new, v_new):
-        k_cache = _paged.append(k_cache, k_new, table, lengths)
-        v_cache = _paged.append(v_cache, v_new, table, lengths)
-        out, lse = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths,
-                                           causal=causal, return_lse=True)
-        return out, lse, k_cache, v_cache
-
-    got = fused(q, k_cache, v_cache, table, lengths, k_new, v_new)
-    want = scattered(q, k_cache, v_cache, table, lengths, k_new, v_new)
-    for name, x, y in zip(("out", "lse", "k_cache", "v_cache"), got, want):
+    out, lse, k_after, v_after = fused(q, k_cache, v_cache, table, lengths, k_new, v_new)
+    k_want = jax.jit(_paged.append)(k_cache, k_new, table, lengths)
+    v_want = jax.jit(_paged.append)(v_cache, v_new, table, lengths)
+    for name, x, y in (("k_cache", k_after, k_want), ("v_cache", v_after, v_want)):
         assert np.array_equal(np.asarray(x), np.asarray(y)), name
-    k, v = _paged.gather(want[2], table), _paged.gather(want[3], table)
-    fa.assert_attention(f"appended b{batch} d{d} sq{sq}", got[0], got[1], q, k, v,
+    k, v = _paged.gather(k_want, table), _paged.gather(v_want, table)
+    fa.assert_attention(f"appended b{batch} d{d} sq{sq}", out, lse, q, k, v,
                         causal=causal, segments={"kv_lengths": jnp.clip(lengths, 0, k.shape[1])})
 
 
 def test_appending_in_a_decode_loop(fa):
     """A decode loop under jit (the caches a loop carry, written in place by the kernel;
-    a CUDA graph per step) equals the same loop that scatters each step's row first."""
+    a CUDA graph per step): its caches bit for bit those of the same loop that scatters
+    each step's row first, each step's out and lse within the rule on the keys up to
+    its own (test_appending_rows says why not bit for bit that loop's)."""
     batch, page_size, max_pages, steps = 2, 64, 20, 6
     q, k_cache, v_cache, table, k_new, v_new = _appending(11, batch, page_size, max_pages,
                                                           steps, 128)
@@ -206,21 +205,29 @@ def test_appending_in_a_decode_loop(fa):
 
     def loop(fused):
         def step(i, state):
-            outs, k_cache, v_cache = state
+            outs, lses, k_cache, v_cache = state
             lengths = start + i + 1
             rows = [jax.lax.dynamic_slice_in_dim(x, i, 1, axis=1) for x in (q, k_new, v_new)]
             if fused:
-                out, k_cache, v_cache = jax_fa4.paged_attention(
-                    rows[0], k_cache, v_cache, table, lengths, k_new=rows[1], v_new=rows[2])
+                out, lse, k_cache, v_cache = jax_fa4.paged_attention(
+                    rows[0], k_cache, v_cache, table, lengths, k_new=rows[1], v_new=rows[2],
+                    return_lse=True)
+                outs = jax.lax.dynamic_update_slice_in_dim(outs, out, i, axis=1)
+                lses = jax.lax.dynamic_update_slice_in_dim(lses, lse, i, axis=2)
             else:
                 k_cache = _paged.append(k_cache, rows[1], table, lengths)
                 v_cache = _paged.append(v_cache, rows[2], table, lengths)
-                out = jax_fa4.paged_attention(rows[0], k_cache, v_cache, table, lengths)
-            return jax.lax.dynamic_update_slice_in_dim(outs, out, i, axis=1), k_cache, v_cache
+            return outs, lses, k_cache, v_cache
 
+        lses = jnp.zeros((batch, HQ, steps), jnp.float32)
         return jax.jit(lambda k_cache, v_cache: jax.lax.fori_loop(
-            0, steps, step, (jnp.zeros_like(q), k_cache, v_cache)))(k_cache, v_cache)
+            0, steps, step, (jnp.zeros_like(q), lses, k_cache, v_cache)))(k_cache, v_cache)
 
-    got, want = loop(True), loop(False)
-    for name, x, y in zip(("out", "k_cache", "v_cache"), got, want):
+    (outs, lses, *got), (_, _, *want) = loop(True), loop(False)
+    for name, x, y in zip(("k_cache", "v_cache"), got, want):
         assert np.array_equal(np.asarray(x), np.asarray(y)), name
+    k, v = _paged.gather(got[0], table), _paged.gather(got[1], table)
+    for i in range(steps):
+        fa.assert_attention(f"decode loop step {i}", outs[:, i:i + 1], lses[:, :, i:i + 1],
+                            q[:, i:i + 1], k, v, causal=True,
+                            segments={"kv_lengths": start + i + 1})
