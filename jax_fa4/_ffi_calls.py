@@ -76,8 +76,8 @@ def fwd(q, k, v, *segments, spec: AttentionSpec, pages=None, rows_per_position=1
     # A paged call that appends visits its key blocks upwards: the blocks that take
     # the new rows come last, and their loads' wait for the append warp
     # (kernels/sm90/paged.py) finds it done. Batch 32 over 1152 keys in pages of 64
-    # (the generation example's step, L2 flushed): 31.1 -> 29.3 us, 1.5 us of it the
-    # append's; batch 1 at 8k keys 22.9 -> 22.3 us (H100, 2026-11-28, alternated
+    # (the generation example's step, L2 flushed): 31.1 -> 29.3 us, the append's share
+    # 2.0 -> 0.3 us; batch 1 at 8k keys 22.9 -> 22.3 us (H100, 2026-11-28, alternated
     # twice). Without new rows the plan stays downwards: upwards, that batch-1 step
     # took 22.0 -> 22.2-22.4 us.
     plan = functools.partial(_segment_plan.forward_plan,

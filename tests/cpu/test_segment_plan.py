@@ -131,7 +131,7 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
 
 
 def _check_ascending(plan, ascending):
-    """The ascending plan (paged kernels) lists the same visits in reverse, with the
+    """The ascending plan (paged calls that append) lists the same visits in reverse, with the
     same count and the same -1 fill after them."""
     plan, ascending = np.asarray(plan), np.asarray(ascending)
     assert ascending.shape == plan.shape
