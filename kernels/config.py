@@ -60,10 +60,10 @@ class Tile:
     softmax runs under the other's MMA; off, they issue as soon as their operands are in.
     `rescale_threshold`: FlashAttention-4's conditional rescaling (kernels/sm90/softmax.py):
     a row's max moves only when it grows by more than this many log2 units; None rescales
-    on every growth. `schedule`: "tile", one CTA per tile; "static", min(tiles, SMs)
-    CTAs that take the tiles in turn, in grid order; "dynamic", the same CTAs taking
-    the next tile from a counter, longest first with heads grouped to share L2
-    (kernels/sm90/schedule.py). Persistent CTAs overlap a tile's Q load and first K/V
+    on every growth. `schedule`: "tile", one CTA per tile; "static", min(tiles, SMs x
+    ctas_per_sm) CTAs that take the tiles in turn, in grid order; "dynamic", the same
+    CTAs taking the next tile from a counter, longest first with heads grouped to share
+    L2 (kernels/sm90/schedule.py). Persistent CTAs overlap a tile's Q load and first K/V
     blocks with the previous tile's last blocks and epilogue; `q_stages` Q buffers let
     the next Q land while the current tile runs (2 where shared memory allows).
     `ctas_per_sm`: CTAs resident on one SM (consumer_regs), so that a second CTA's loads
@@ -288,6 +288,15 @@ _DYNAMIC_BANDED = {
 LONG_BAND_HEAD_DIMS = (64,)
 _LONG_BAND = {head_dim: dataclasses.replace(_DYNAMIC_BANDED[head_dim], m=192)
               for head_dim in LONG_BAND_HEAD_DIMS}
+# Segment kernels (not split, not paged) per head dim, where they differ from
+# _DYNAMIC_BANDED: d64 with 64-row tiles, two persistent CTAs per SM (one consumer
+# warpgroup each, 80 KB of shared memory). Against _DYNAMIC_BANDED's 128 rows, one CTA per SM (H200, 2026-11-28,
+# alternated twice in one call): 8 packed documents per row of 16k / 4k 1.07-1.08 /
+# 1.03, causal 1.03 / 1.02; dense calls with kv_lengths (the segment kernel on whole
+# rows) at 512 / 2k / 8k 1.00 / 1.06-1.07 / 1.11, causal 1.03 / 1.04-1.05 / 1.09. The
+# same tile for the plain band kernel lost (causal 512 / 2k / 8k 0.89 / 1.01 / 1.00), and
+# at d128 (64-key blocks, so that two fit) 0.78-0.95 plain and 0.79-0.85 on documents.
+_SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm=2)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -436,6 +445,8 @@ class FwdConfig(_KernelConfig):
             return _KEYS_AS_M_TILES[self.kv_dtype]
         if self.long_band:
             return _LONG_BAND[self.head_dim]
+        if self.segments and not (self.split or self.paged) and self.head_dim in _SEGMENT_TILES:
+            return _SEGMENT_TILES[self.head_dim]
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
             return _DYNAMIC_BANDED[self.head_dim]
         if self.split:

@@ -30,11 +30,11 @@ compiled in (kernels/config.py).
 
 Tiles are (tile of tile_m query rows, head, batch), and per split in split variants;
 banded grids run the longest tiles first. The tile config's `schedule`
-(kernels/sm90/schedule.py): one CTA per tile, or min(tiles, SMs) persistent CTAs that
-take the tiles in turn, in grid order ("static") or from a counter ("dynamic", the
-producer handing each tile to the consumers through a ring in shared memory). Each
-role loops over its CTA's tiles, and the Q, K and V rings run on across them, so the
-next tile's loads overlap this tile's last blocks and epilogue.
+(kernels/sm90/schedule.py): one CTA per tile, or min(tiles, SMs x ctas_per_sm)
+persistent CTAs that take the tiles in turn, in grid order ("static") or from a
+counter ("dynamic", the producer handing each tile to the consumers through a ring in
+shared memory). Each role loops over its CTA's tiles, and the Q, K and V rings run on
+across them, so the next tile's loads overlap this tile's last blocks and epilogue.
 Warpgroup roles:
   0      producer: warp 0 issues TMA for each tile's Q into a q_stages-deep ring, then
          its K and V blocks into two kv_stages-deep rings (separate pipelines, so
@@ -350,7 +350,8 @@ class FwdSm90:
             out, out_lse = combine.unpacked(mO, mLSE, unpack_group)
         grid = (cute.ceil_div(q.shape[0], self.tile_m) * splits, q.shape[2], q.shape[3])
         if cutlass.const_expr(self.persistent):
-            grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms), 1, 1)
+            grid = (cutlass.min(grid[0] * grid[1] * grid[2], num_sms * self.ctas_per_sm),
+                    1, 1)
         self.kernel(
             tma_atom_q, tma_q, tma_atom_k, tma_k, tma_atom_v, tma_v, tma_atom_o, tma_o,
             lse, out, out_lse, mTileCounter, mRows, mKeys, mPlan,

@@ -4,7 +4,7 @@ Tile.schedule); the arithmetic is kernels/tile_order.py.
 A tile is (x, head, batch) of the grid a one-tile launch has: x the query tile (times
 the split in split variants), then head and batch.
   "tile"     one CTA per tile: its block index.
-  "static"   min(tiles, SMs) CTAs; CTA c takes tiles c, c + CTAs, ... of the grid
+  "static"   min(tiles, SMs x ctas_per_sm) CTAs; CTA c takes tiles c, c + CTAs, ... of the grid
              flattened with x fastest, so CTAs running side by side share a head's K
              and V in L2.
   "dynamic"  the same CTAs; each takes its block index first, then the next free tile
