@@ -235,11 +235,12 @@ def test_varlen_takes_the_segment_kernels(hopper, kwargs, attributes):
             assert f"softcap = {softcap:e} : f32" in call, call
             assert f"window_left = {left} : i32" in call, call
             assert f"window_right = {right} : i32" in call, call
-            # The packed axis is the sequence of one batch row, and Hq 4 over Hkv 2 runs
-            # pack-GQA (_pack_gqa): 2 heads of 2 * 40 query rows.
+            # The packed axis is the sequence of one batch row. Hq 4 over Hkv 2 stays
+            # unpacked: the d64 segment forward's 64-row tiles hold the 40 rows, so
+            # pack-GQA's 2 * 40 rows would not halve the tiles (_pack_gqa.worthwhile).
             assert operand_types(call) == (
-                attention_operands(kind, 1, 80, 50, 2, 2)
-                + segment_operands(kind, 1, 80, 50, softcap=softcap > 0)), call
+                attention_operands(kind, 1, 40, 50, 4, 2)
+                + segment_operands(kind, 1, 40, 50, softcap=softcap > 0)), call
 
 
 def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
