@@ -294,7 +294,11 @@ _LONG_BAND = {head_dim: dataclasses.replace(_DYNAMIC_BANDED[head_dim], m=192)
 # per SM (H200, 2026-11-28, alternated twice in one call, on two machines): 8 packed
 # documents per row of 16k / 4k 1.07-1.08 / 1.03, causal 1.03 / 1.02; dense calls with
 # kv_lengths (the segment kernel on whole rows) at 512 / 2k / 8k 1.00 / 1.06-1.07 /
-# 1.08-1.11, causal 1.03-1.04 / 1.04-1.05 / 1.09. The same tile for the plain band
+# 1.08-1.11, causal 1.03-1.04 / 1.04-1.05 / 1.09. On an H100 (same method): documents
+# 1.07-1.09 / 1.02-1.04, causal 1.03 / 1.01; kv_lengths 0.86-0.87 / 1.03-1.04 /
+# 1.06-1.09, causal 0.97 / 1.03 / 1.07-1.09: whole-row lengths at 512 tokens lose 13%
+# there (kept for the longer rows; choosing the tile by Sk would need both exported,
+# as long_band does for the plain band). The same tile for the plain band
 # kernel lost (causal 512 / 2k / 8k 0.89 / 1.01 / 1.00), and at d128 (64-key blocks, so
 # that two fit) 0.78-0.95 plain and 0.79-0.85 on documents.
 _SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm=2)}
