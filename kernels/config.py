@@ -269,9 +269,10 @@ _FP8_TILES = {
     for head_dim in FP8_HEAD_DIMS for banded in (False, True)}
 _FP8_TILES[(128, False)] = dataclasses.replace(_FP8_TILES[(128, False)], m=192, n=96)
 # Packed documents without a mask trail the dense kernel on the same documents as a
-# batch most at d64 (segment kernels take _DYNAMIC_BANDED's 128 rows, the dense one
-# 192): d64's 192-row tile in the segment variant makes ptxas spill 268 bytes at the
-# consumers' 160 registers (2026-11-27), so it was not built.
+# batch most at d64 (the dense one takes 192 rows; the segment kernels 64 rows two to an
+# SM since 2026-11-28, _SEGMENT_TILES, 128 before): d64's 192-row tile in the segment
+# variant makes ptxas spill 268 bytes at the consumers' 160 registers (2026-11-27), so
+# it was not built.
 _DYNAMIC_BANDED = {
     head_dim: dataclasses.replace(tile, pingpong=False, schedule="dynamic",
                                   q_stages=1 if head_dim == 256 else 2)
