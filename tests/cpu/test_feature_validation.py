@@ -243,6 +243,26 @@ def test_varlen_takes_the_segment_kernels(hopper, kwargs, attributes):
                 + segment_operands(kind, 1, 40, 50, softcap=softcap > 0)), call
 
 
+def test_short_varlen_runs_pack_gqa(hopper):
+    """16 packed query rows, Hq 4 over Hkv 2: pack-GQA's 2 * 16 rows fit the d64 segment
+    forward's one 64-row tile (_pack_gqa.worthwhile), so both passes run 2 heads of 32
+    rows."""
+    q, kv = sds(16, 4, 64), sds(50, 2, 64)
+    cu = ints(4)
+
+    def f(q, k, v, cu):
+        return jax_fa4.attention_varlen(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                        max_seqlen_q=8, max_seqlen_k=24,
+                                        causal=True).astype(F32).sum()
+
+    lowered = jax.jit(jax.grad(f, (0, 1, 2))).trace(q, kv, kv, cu).lower(
+        lowering_platforms=("cuda",)).as_text()
+    for kind in ("fwd", "bwd"):
+        call = custom_call(lowered, f"jax_fa4_{kind}")
+        assert operand_types(call) == (
+            attention_operands(kind, 1, 32, 50, 2, 2)
+            + segment_operands(kind, 1, 32, 50, softcap=False)), call
+
 def test_features_that_mean_the_plain_call_keep_the_kernel(hopper):
     # Canonical spec: a window (None, 0) is causal, alignment without a band is moot,
     # Dv == D and Hq == Hkv are no feature.
