@@ -7,8 +7,9 @@ and attention_varlen's packed sequences all become two arrays:
     keys (B, Sk) int32: per key, its segment id.
 An empty range is (0, 0). From those, `forward_plan` / `backward_plan` list per tile the
 blocks that hold a visible key (by each tile's and block's range of keys and ids: sorted
-or packed ids skip well, unsorted ones stay correct), and flag the blocks that every row
-of the tile sees whole, which need no element masking.
+or packed ids skip well, unsorted ones stay correct), each with its mask: none for the
+blocks that every row of the tile sees whole, the key ranges alone where the block's
+keys and the tile's rows have one id, else the ranges and the ids.
 """
 
 from __future__ import annotations
@@ -21,6 +22,9 @@ from jax_fa4 import _masks
 _FAR = 1 << 30
 # Neutral elements of min / max over int32 ids.
 _ID_MAX, _ID_MIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+# A plan entry is (block << 2) | its mask (kernels/sm90/segments.py NO_MASK, RANGES, IDS).
+_NO_MASK, _RANGES, _IDS = 0, 1, 3
+_MASK_BITS = 2
 
 
 def padded_rows(spec, sq: int, sk: int, *, q_segment_ids=None, kv_segment_ids=None,
@@ -141,22 +145,24 @@ def _block_summaries(keys, tile_n):
 
 
 def _visits(rows, keys, tile_m, tile_n, repeat):
-    """(visit, masked), bool (B, query tiles, key blocks)."""
+    """(visit bool, mask int32), (B, query tiles, key blocks): mask _NO_MASK, _RANGES or
+    _IDS (the module docstring)."""
     tiles = _tile_summaries(rows, tile_m, repeat)
     lo, hi, q_lo, q_hi, all_begin, all_end = (x[:, :, None] for x in tiles)
     k_lo, k_hi, whole_block = (x[:, None, :] for x in _block_summaries(keys, tile_n))
     start = jnp.arange(k_lo.shape[-1], dtype=jnp.int32) * tile_n
     stop = start + tile_n
     visit = (lo < stop) & (hi > start) & (q_lo <= k_hi) & (k_lo <= q_hi)
-    whole = (whole_block & (all_begin <= start) & (all_end >= stop)
-             & (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo))
-    return visit, visit & ~whole
+    one_id = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
+    whole = whole_block & (all_begin <= start) & (all_end >= stop) & one_id
+    mask = jnp.where(whole, _NO_MASK, jnp.where(one_id, _RANGES, _IDS)).astype(jnp.int32)
+    return visit, mask
 
 
 def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = False,
                  repeat: int = 1, ascending: bool = False):
     """(B, query tiles, 1 + key blocks) int32: per query tile, the count of key blocks it
-    visits, then (block << 1) | masked for each, from the last block to the first
+    visits, then (block << 2) | its mask for each, from the last block to the first
     (`ascending`: from the first to the last, as paged calls that append take them).
     `one_segment`: every row and key has id 0 (no segment ids, no varlen), the same plan
     in fewer steps (`_one_segment_forward_plan`). `repeat`: each row stands for that
@@ -164,9 +170,9 @@ def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = Fa
     if one_segment:
         return _one_segment_forward_plan(rows, keys.shape[-1], tile_m, tile_n, repeat,
                                          ascending)
-    visit, masked = _visits(rows, keys, tile_m, tile_n, repeat)
+    visit, mask = _visits(rows, keys, tile_m, tile_n, repeat)
     n = jnp.arange(visit.shape[-1], dtype=jnp.int32)
-    code = jnp.where(visit, n * 2 + masked, -1)
+    code = jnp.where(visit, (n << _MASK_BITS) | mask, -1)
     if ascending:  # unvisited blocks sort last as the largest code, then become -1
         order = jnp.sort(jnp.where(visit, code, _ID_MAX), axis=-1)
         order = jnp.where(order == _ID_MAX, -1, order)
@@ -191,22 +197,23 @@ def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int, repeat: i
     block = lo // tile_n + i if ascending else last - i
     start = block * tile_n
     whole = ((start + tile_n <= sk) & (all_begin <= start) & (all_end >= start + tile_n))
-    code = jnp.where(i < count, block * 2 + ~whole, -1)
+    code = jnp.where(i < count, (block << _MASK_BITS) | jnp.where(whole, _NO_MASK, _RANGES),
+                     -1)
     return jnp.concatenate([count, code], axis=-1).astype(jnp.int32)
 
 
 def backward_plan(rows, keys, tile_m: int, tile_n: int, *, repeat: int = 1):
     """(B, key blocks, 1 + 2 * query tiles) int32: per key block, the count of query
-    tiles it visits, (tile << 1) | masked for each in ascending order, then each visit's
+    tiles it visits, (tile << 2) | its mask for each in ascending order, then each visit's
     deterministic dQ turn: how many higher key blocks visit the same tile. `repeat` as
     for forward_plan."""
-    visit, masked = _visits(rows, keys, tile_m, tile_n, repeat)  # (B, tiles, blocks)
+    visit, mask = _visits(rows, keys, tile_m, tile_n, repeat)  # (B, tiles, blocks)
     tiles = visit.shape[1]
     m = jnp.arange(tiles, dtype=jnp.int32)[:, None]
-    code = jnp.where(visit, m * 2 + masked, _ID_MAX)
+    code = jnp.where(visit, (m << _MASK_BITS) | mask, _ID_MAX)
     order = jnp.swapaxes(jnp.sort(code, axis=1), 1, 2)  # (B, blocks, tiles) ascending
     count = visit.sum(1, dtype=jnp.int32)
     above = jnp.flip(jnp.cumsum(jnp.flip(visit, -1), -1, dtype=jnp.int32), -1) - visit
-    visited_tile = jnp.minimum(order >> 1, tiles - 1)
+    visited_tile = jnp.minimum(order >> _MASK_BITS, tiles - 1)
     turns = jnp.take_along_axis(jnp.swapaxes(above, 1, 2), visited_tile, axis=-1)
     return jnp.concatenate([count[..., None], order, turns], axis=-1).astype(jnp.int32)

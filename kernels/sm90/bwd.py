@@ -762,13 +762,17 @@ class BwdSm90:
     @cute.jit
     def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32):
         """Element masking of S^T for query tile m: the band's, or, in segment variants,
-        the per-row ranges and ids' when the plan flags the tile (`masked`)."""
+        the per-row ranges and ids' as the plan's mask for the tile says (`masked`)."""
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         q0 = m * self.tile_m
         if cutlass.const_expr(self.segments):
-            if masked != 0:
+            if masked == segments.IDS:
                 segments.mask_block(s_rc, coord_s, q0, key0, seg.rows, seg.keys,
                                     seg.seqlen_q, seqlen_k, keys_along_rows=True)
+            elif masked != segments.NO_MASK:
+                segments.mask_block(s_rc, coord_s, q0, key0, seg.rows, seg.keys,
+                                    seg.seqlen_q, seqlen_k, keys_along_rows=True,
+                                    check_ids=False)
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
                                self.banded)

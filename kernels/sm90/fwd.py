@@ -730,9 +730,9 @@ class FwdSm90:
     @cute.jit
     def _first_block(self, n_end: Int32, seg, seqlen_k=None):
         """(key block, masked) of visit 0: the last block, which the band may cut, or
-        the plan's first entry and its flag. Without a band only the key length can cut
-        a block: given seqlen_k, the last is masked only where it is partial
-        (_tail_mask_only)."""
+        the plan's first entry and its mask (segments.py). Without a band only the key
+        length can cut a block: given seqlen_k, the last is masked only where it is
+        partial (_tail_mask_only)."""
         block, masked = n_end - 1, Int32(1)
         if cutlass.const_expr(self.segments):
             block, masked = segments.decode(seg.first)
@@ -838,7 +838,12 @@ class FwdSm90:
             s_rc = rows_cols(acc_s)
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
-            if cutlass.const_expr(self.segments or self._tail_mask_only):
+            if cutlass.const_expr(self.segments):
+                if first_masked == segments.IDS:
+                    self._mask(s_rc, coord_s, row0, n_last, run, seg)
+                elif first_masked != segments.NO_MASK:
+                    self._mask(s_rc, coord_s, row0, n_last, run, seg, check_ids=False)
+            elif cutlass.const_expr(self._tail_mask_only):
                 if first_masked != 0:
                     self._mask(s_rc, coord_s, row0, n_last, run, seg)
             else:
@@ -848,13 +853,17 @@ class FwdSm90:
 
             if cutlass.const_expr(self.segments):
                 for i in cutlass.range(1, n_end, unroll=1):
-                    n_block, masked = segments.visit(seg.plan_row, i)
-                    # A branch on the plan's flag around the whole step, not around
+                    n_block, block_mask = segments.visit(seg.plan_row, i)
+                    # A branch on the plan's mask around the whole step, not around
                     # the mask inside it: there, between the QK wgmma and its wait,
                     # it made ptxas serialize the wgmma of persistent kernels (C7514).
-                    if masked != 0:
+                    if block_mask == segments.IDS:
                         k_consumer, v_consumer = self._step(
                             True, n_block, tiles, run, seg, k_consumer, v_consumer)
+                    elif block_mask != segments.NO_MASK:
+                        k_consumer, v_consumer = self._step(
+                            True, n_block, tiles, run, seg, k_consumer, v_consumer,
+                            check_ids=False)
                     else:
                         k_consumer, v_consumer = self._step(
                             False, n_block, tiles, run, seg, k_consumer, v_consumer)
@@ -906,11 +915,11 @@ class FwdSm90:
 
     @cute.jit
     def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, tiles,
-              run: Scalars, seg, k_consumer, v_consumer):
+              run: Scalars, seg, k_consumer, v_consumer, check_ids: cutlass.Constexpr = True):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
         overlapping the PV product (j = n_block; P_{j+1} is in r_p); returns the advanced
         ring consumers. is_masked: element masking (segment variants: the plan flags
-        the block)."""
+        the block, and check_ids as _mask)."""
         thr_qk, s_shape, tSrQ, tSrK = tiles.thr_qk, tiles.s_shape, tiles.tSrQ, tiles.tSrK
         tOrV, tOrP, r_p, acc_o = tiles.tOrV, tiles.tOrP, tiles.r_p, tiles.acc_o
         coord_s, softmax, o_scale = tiles.coord_s, tiles.softmax, tiles.o_scale
@@ -935,7 +944,7 @@ class FwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores(s_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask(s_rc, coord_s, row0, n_block, run, seg)
+            self._mask(s_rc, coord_s, row0, n_block, run, seg, check_ids)
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         self._release(v_handle)
@@ -1070,14 +1079,16 @@ class FwdSm90:
 
     # ------------------------------------------------------------------ helpers
     @cute.jit
-    def _mask(self, s_rc, coord_s, row0: Int32, n_block: Int32, run: Scalars, seg):
+    def _mask(self, s_rc, coord_s, row0: Int32, n_block: Int32, run: Scalars, seg,
+              check_ids: cutlass.Constexpr = True):
         """Element masking of key block n_block: the band's, or, in segment variants,
-        the per-row ranges and ids' (called for the blocks the plan flags)."""
+        the per-row ranges and ids' (called for the blocks the plan flags; only the
+        ranges' without check_ids, for blocks it flags RANGES)."""
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         col0 = n_block * self.tile_n
         if cutlass.const_expr(self.segments):
             segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
-                                seg.seqlen_q, seqlen_k)
+                                seg.seqlen_q, seqlen_k, check_ids=check_ids)
         else:
             mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.banded)
 

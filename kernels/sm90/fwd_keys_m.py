@@ -246,19 +246,25 @@ class FwdKeysAsM(FwdSm90):
             if cutlass.const_expr(k_handle is not None):
                 self._release(k_handle)
             if cutlass.const_expr(self.segments):
-                if first_masked != 0:
+                if first_masked == segments.IDS:
                     self._mask(acc_s, n_last, tiles, run, seg)
+                elif first_masked != segments.NO_MASK:
+                    self._mask(acc_s, n_last, tiles, run, seg, check_ids=False)
             else:
                 self._mask(acc_s, n_last, tiles, run, seg)
             self._softmax(acc_s, tiles)
             self._store_p(acc_s, tiles, 0)
             if cutlass.const_expr(self.segments):
                 for i in cutlass.range(1, n_end, unroll=1):
-                    n_block, masked = segments.visit(seg.plan_row, i)
+                    n_block, block_mask = segments.visit(seg.plan_row, i)
                     # The branch around the whole step, as FwdSm90's.
-                    if masked != 0:
+                    if block_mask == segments.IDS:
                         k_consumer, v_consumer = self._block_step(
                             True, n_block, i, tiles, run, seg, k_consumer, v_consumer)
+                    elif block_mask != segments.NO_MASK:
+                        k_consumer, v_consumer = self._block_step(
+                            True, n_block, i, tiles, run, seg, k_consumer, v_consumer,
+                            check_ids=False)
                     else:
                         k_consumer, v_consumer = self._block_step(
                             False, n_block, i, tiles, run, seg, k_consumer, v_consumer)
@@ -295,12 +301,12 @@ class FwdKeysAsM(FwdSm90):
 
     @cute.jit
     def _block_step(self, is_masked: cutlass.Constexpr, n_block, visit, tiles, run: Scalars,
-                    seg, k_consumer, v_consumer):
+                    seg, k_consumer, v_consumer, check_ids: cutlass.Constexpr = True):
         """Visit `visit` (>= 1), key block j = n_block: S^T_j = K_j Q^T and O^T +=
         V^T P^T of the previous visit on the tensor cores, the softmax of S^T_j
         overlapping the second (P^T of visit i is in buffer i % P_STAGES); returns the
         advanced ring consumers. is_masked: element masking (segment variants: the plan
-        flags the block)."""
+        flags the block, and check_ids as _mask)."""
         acc_s = tiles.thr_st.make_fragment_C(tiles.s_shape)
         k_consumer, k_handle = self._issue_st(acc_s, tiles, k_consumer)
         self._rescale_columns(tiles.acc_o, tiles.o_scale)
@@ -313,7 +319,7 @@ class FwdKeysAsM(FwdSm90):
         if cutlass.const_expr(k_handle is not None):
             self._release(k_handle)
         if cutlass.const_expr(is_masked):
-            self._mask(acc_s, n_block, tiles, run, seg)
+            self._mask(acc_s, n_block, tiles, run, seg, check_ids)
         self._softmax(acc_s, tiles)
         warpgroup.wait_group(0)
         self._release(v_handle)
@@ -337,13 +343,14 @@ class FwdKeysAsM(FwdSm90):
         return k_consumer, k_handle
 
     @cute.jit
-    def _mask(self, acc_s, n_block, tiles, run: Scalars, seg):
+    def _mask(self, acc_s, n_block, tiles, run: Scalars, seg, check_ids: cutlass.Constexpr = True):
         """Element masking of S^T for key block n_block: the band's, or, in segment
-        variants, the per-row ranges and ids'."""
+        variants, the per-row ranges and ids' (only the ranges' without check_ids)."""
         key0 = n_block * self.tile_n
         if cutlass.const_expr(self.segments):
             segments.mask_block(rows_cols(acc_s), tiles.coord_s, tiles.row0, key0, seg.rows,
-                                seg.keys, seg.seqlen_q, run.seqlen_k, keys_along_rows=True)
+                                seg.keys, seg.seqlen_q, run.seqlen_k, keys_along_rows=True,
+                                check_ids=check_ids)
         else:
             mask.mask_block_kq(rows_cols(acc_s), tiles.coord_s, key0, tiles.row0,
                                run.seqlen_k, run.band_lo, run.band_hi, self.banded)

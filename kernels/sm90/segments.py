@@ -9,13 +9,16 @@ Per batch b (int32, all written by jax_fa4):
           the row sees nothing);
     keys  (B, 1, Sk): the segment id of key j;
     plan  per tile, entry 0 is the count c of blocks it visits, entries 1 .. c are
-          (block << 1) | masked, masked meaning the block needs element masking.
+          (block << 2) | mask, mask one of NO_MASK (every row of the tile sees the
+          whole block), RANGES (element masking by the rows' key ranges alone: the
+          block's keys and the tile's rows that see any key all have one id) or IDS
+          (by the ranges and each key's id).
           Forward (B, query tiles, 1 + key blocks): key blocks from the last to the
           first (paged calls that append: from the first to the last). Backward (B,
-          key blocks, 1 + 2 * query tiles): query tiles in ascending order, and entry
-          1 + query tiles + i is the deterministic dQ turn of visit i (the number of
-          key blocks above this one that visit the same query tile: they add in
-          descending order, as the grid launches them).
+          key blocks, 1 + 2 * query tiles): the query tiles in ascending order, as
+          (tile << 2) | mask, and entry 1 + query tiles + i is the deterministic dQ
+          turn of visit i (the number of key blocks above this one that visit the
+          same query tile: they add in descending order, as the grid launches them).
 Blocks left out of the plan are never loaded. Rows and keys past Sq / Sk are never read:
 indices are clamped, and key_end <= Sk.
 """
@@ -25,6 +28,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32
 
 KEY_BEGIN, KEY_END, SEGMENT = 0, 1, 2
+# A plan entry's mask (the module docstring); jax_fa4/_segment_plan.py writes them.
+NO_MASK, RANGES, IDS = 0, 1, 3
 
 
 class Views:
@@ -50,13 +55,13 @@ def skip_visits(plan_row: cute.Tensor, n: Int32) -> cute.Tensor:
 
 @cute.jit
 def decode(entry: Int32):
-    """(block, masked) of a plan entry."""
-    return entry >> 1, entry & 1
+    """(block, mask) of a plan entry; mask != NO_MASK where the block needs masking."""
+    return entry >> 2, entry & 3
 
 
 @cute.jit
 def visit(plan_row: cute.Tensor, i: Int32):
-    """(block, masked) of visit i of a tile, from its plan row."""
+    """(block, mask) of visit i of a tile, from its plan row."""
     return decode(plan_row[1 + i])
 
 
@@ -71,25 +76,33 @@ def mask_block(
     seqlen_q: Int32,
     seqlen_k: Int32,
     keys_along_rows: cutlass.Constexpr = False,
+    check_ids: cutlass.Constexpr = True,
 ):
     """Set invisible scores of one block to -inf. `coord_rc` holds each value's (row,
     col) inside the block; query rows start at q0 and keys at key0, keys along the
     block's columns, or along its rows for a transposed block S^T (`keys_along_rows`);
-    `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids."""
+    `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids. Without `check_ids`
+    (blocks the plan flags RANGES) the key ranges alone: the keys' ids are not read."""
     q_mode, k_mode = (1, 0) if keys_along_rows else (0, 1)
     n_k = cute.size(s_rc, mode=[k_mode])
-    key_ids = cute.make_rmem_tensor((n_k,), Int32)
-    for j in cutlass.range_constexpr(n_k):
-        first = (j, 0) if keys_along_rows else (0, j)
-        key_ids[j] = keys[cutlass.min(key0 + coord_rc[first][k_mode], seqlen_k - 1)]
+    key_ids = None
+    if cutlass.const_expr(check_ids):
+        key_ids = cute.make_rmem_tensor((n_k,), Int32)
+        for j in cutlass.range_constexpr(n_k):
+            first = (j, 0) if keys_along_rows else (0, j)
+            key_ids[j] = keys[cutlass.min(key0 + coord_rc[first][k_mode], seqlen_k - 1)]
     for t in cutlass.range_constexpr(cute.size(s_rc, mode=[q_mode])):
         first = (0, t) if keys_along_rows else (t, 0)
         row = cutlass.min(q0 + coord_rc[first][q_mode], seqlen_q - 1)
         begin = rows[KEY_BEGIN, row] - key0
         end = rows[KEY_END, row] - key0
-        segment = rows[SEGMENT, row]
+        segment = rows[SEGMENT, row] if cutlass.const_expr(check_ids) else None
         for j in cutlass.range_constexpr(n_k):
             at = (j, t) if keys_along_rows else (t, j)
             key = coord_rc[at][k_mode]
-            if key < begin or key >= end or key_ids[j] != segment:
-                s_rc[at] = -Float32.inf
+            if cutlass.const_expr(check_ids):
+                if key < begin or key >= end or key_ids[j] != segment:
+                    s_rc[at] = -Float32.inf
+            else:
+                if key < begin or key >= end:
+                    s_rc[at] = -Float32.inf

@@ -5,7 +5,8 @@ both alignments, at the kernels' tile shapes:
 - rows and keys give exactly the reference's visibility, and for attention_varlen's
   packed sequences (`_masks.varlen`) too;
 - every (tile, block) pair holding a visible pair is in both plans, with the same
-  masked flag; an unmasked pair is seen whole (no Sq / Sk tail);
+  mask; an unmasked pair is seen whole (no Sq / Sk tail), and one masked by the key
+  ranges alone (RANGES) has the visibility of those ranges;
 - the forward lists key blocks in descending order, the backward query tiles in
   ascending order, and the deterministic turns of a tile's key blocks count 0, 1, ...
   from the highest block down.
@@ -96,6 +97,9 @@ def test_varlen_rows_give_the_reference_visibility(seed):
 
 def _check_plans(rows, keys, visible, tile_m, tile_n):
     b, sq, sk = visible.shape
+    j = np.arange(sk)
+    rows_np = np.asarray(rows)
+    in_range = (rows_np[:, 0, :, None] <= j) & (j < rows_np[:, 1, :, None])
     fwd = np.asarray(_segment_plan.forward_plan(rows, keys, tile_m, tile_n))
     bwd = np.asarray(_segment_plan.backward_plan(rows, keys, tile_m, tile_n))
     tiles, blocks = -(-sq // tile_m), -(-sk // tile_n)
@@ -104,14 +108,14 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
         fwd_visits, bwd_visits = {}, {}
         for m in range(tiles):
             entries = fwd[batch, m, 1:1 + fwd[batch, m, 0]]
-            assert (np.diff(entries >> 1) < 0).all()
-            fwd_visits.update({(m, e >> 1): e & 1 for e in entries})
+            assert (np.diff(entries >> 2) < 0).all()
+            fwd_visits.update({(m, e >> 2): e & 3 for e in entries})
         for n in range(blocks):
             count = bwd[batch, n, 0]
             entries = bwd[batch, n, 1:1 + count]
             turns = bwd[batch, n, 1 + tiles:1 + tiles + count]
-            assert (np.diff(entries >> 1) > 0).all()
-            bwd_visits.update({(e >> 1, n): (e & 1, t) for e, t in zip(entries, turns)})
+            assert (np.diff(entries >> 2) > 0).all()
+            bwd_visits.update({(e >> 2, n): (e & 3, t) for e, t in zip(entries, turns)})
         assert fwd_visits.keys() == bwd_visits.keys()
         for m in range(tiles):
             for n in range(blocks):
@@ -119,9 +123,14 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
                                 n * tile_n:(n + 1) * tile_n]
                 if block.any():
                     assert (m, n) in fwd_visits
+                assert fwd_visits.get((m, n), 0) in (0, 1, 3)
                 if fwd_visits.get((m, n)) == 0:
                     rows_in_tile = min(tile_m, sq - m * tile_m)
                     assert block.all() and block.shape == (rows_in_tile, tile_n)
+                if fwd_visits.get((m, n)) == 1:
+                    ranges = in_range[batch, m * tile_m:(m + 1) * tile_m,
+                                      n * tile_n:(n + 1) * tile_n]
+                    np.testing.assert_array_equal(ranges, block)
                 if (m, n) in fwd_visits:
                     assert bwd_visits[(m, n)][0] == fwd_visits[(m, n)]
             down = sorted((n for (t, n) in bwd_visits if t == m), reverse=True)
