@@ -79,8 +79,8 @@ def fallback(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
 def with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
     """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
     its kernels were built."""
-    if (spec.path == "reference" or spec.group_size == 1 or not isinstance(seqlen_q, int)
-            or spec.out_dtype is not None):
+    if (spec.path not in ("cute", "platform") or spec.group_size == 1
+            or not isinstance(seqlen_q, int) or spec.out_dtype is not None):
         return spec  # a symbolic Sq (jax.export) keeps the plain layout; float8 has none
     packed = dataclasses.replace(spec, pack_gqa=True)
     fwd, bwd = _kernel_select.fwd_kernel, _kernel_select.bwd_kernel

@@ -77,6 +77,17 @@ def test_a_gpu_the_kernels_cannot_serve_takes_cudnn_or_the_reference(
     assert not support[0] and support.path == path and why in support[1]
 
 
+def test_the_cudnn_path_takes_no_kernel_layout(built, monkeypatch):
+    """GQA that the kernels cannot serve (a batch past the grid limit) runs cuDNN on the
+    caller's layout: pack-GQA is the kernels' (it had marked such a spec packed, and
+    without a native module's manifest raised a TypeError)."""
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
+    with pytest.warns(RuntimeWarning, match="running cuDNN"):
+        spec = plan(sds(70000, 16, 4, 64), sds(70000, 24, 2, 64), sds(70000, 24, 2, 64))
+    assert spec.path == "cudnn" and spec.group_size == 2
+    assert not (spec.pack_gqa or spec.split_kernel or spec.long_band), spec
+
+
 def test_the_grid_limit_is_a_reason_before_tracing(built, monkeypatch):
     monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
     big_batch, big_heads = sds(65536, 4, 1, 64), sds(1, 4, 65536, 64)
