@@ -115,9 +115,48 @@ def _dv_floor(q, k, v, dout, sinks, segments, *, causal, softmax_scale, compute_
     return jnp.where(magnitude > 0, summed + away * half_ulp, summed)
 
 
-def backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sinks=None,
-                        alignment="bottom_right", window=None, softcap=None, segments=None,
-                        pieces=1):
+# The last backward_references call of the running test: (its inputs, its options, its
+# result). Tests check both dq modes (atomic, deterministic) of one problem in turn
+# against the same references, which the second call then takes from here.
+_LAST_BACKWARD = []
+
+
+@pytest.fixture(autouse=True)
+def _forget_backward_references():
+    """Each test's references go with it (the large tests' fill much of the GPU)."""
+    yield
+    _LAST_BACKWARD.clear()
+
+
+def _same(a, b) -> bool:
+    """The same arguments: arrays (immutable) by identity, dicts and sequences entry by
+    entry, other values by equality."""
+    if isinstance(a, (tuple, list)) or isinstance(b, (tuple, list)):
+        return (type(a) is type(b) and len(a) == len(b)
+                and all(_same(x, y) for x, y in zip(a, b)))
+    if isinstance(a, dict) or isinstance(b, dict):
+        return (isinstance(a, dict) and isinstance(b, dict) and a.keys() == b.keys()
+                and all(_same(a[key], b[key]) for key in a))
+    if isinstance(a, (jax.Array, np.ndarray)) or isinstance(b, (jax.Array, np.ndarray)):
+        return a is b
+    return type(a) is type(b) and a == b
+
+
+def backward_references(q, k, v, dout, dlse, **options):
+    """_backward_references, reused when called again with the same inputs and options
+    (`_LAST_BACKWARD`)."""
+    inputs = (q, k, v, dout, dlse)
+    if _LAST_BACKWARD and _same(_LAST_BACKWARD[0], inputs) and _same(_LAST_BACKWARD[1], options):
+        return _LAST_BACKWARD[2]
+    _LAST_BACKWARD.clear()  # before the new ones: one set at a time
+    result = _backward_references(*inputs, **options)
+    _LAST_BACKWARD[:] = [inputs, options, result]
+    return result
+
+
+def _backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sinks=None,
+                         alignment="bottom_right", window=None, softcap=None, segments=None,
+                         pieces=1):
     """-> ((dq, dk, dv) float32, (dq, dk, dv) in the input dtype's math): the gradients
     for the cotangents dout of out (B, Sq, H, D) and dlse of lse (B, H, Sq) float32.
 
