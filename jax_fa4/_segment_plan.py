@@ -9,7 +9,8 @@ An empty range is (0, 0). From those, `forward_plan` / `backward_plan` list per 
 blocks that hold a visible key (by each tile's and block's range of keys and ids: sorted
 or packed ids skip well, unsorted ones stay correct), each with its mask: none for the
 blocks that every row of the tile sees whole, the key ranges alone where the block's
-keys and the tile's rows have one id, else the ranges and the ids.
+keys and the tile's rows have one id, the ranges cut to each row's id's run where the
+block's keys are two runs of ids (one document boundary), else the ranges and the ids.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ from jax_fa4 import _masks
 _FAR = 1 << 30
 # Neutral elements of min / max over int32 ids.
 _ID_MAX, _ID_MIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
-# A plan entry is (block << 2) | its mask (kernels/sm90/segments.py NO_MASK, RANGES, IDS).
-_NO_MASK, _RANGES, _IDS = 0, 1, 3
-_MASK_BITS = 2
+# A plan entry is (block << 10) | its mask (kernels/sm90/segments.py NO_MASK, RANGES,
+# IDS, or RUNS | (split << 2): the block's first run of ids ends at its key `split`).
+_NO_MASK, _RANGES, _RUNS, _IDS = 0, 1, 2, 3
+_MASK_BITS = 10
+_MAX_TILE_N = 255  # a split of the whole block still fits in the mask's 8 bits
 
 
 def padded_rows(spec, sq: int, sk: int, *, q_segment_ids=None, kv_segment_ids=None,
@@ -132,37 +135,46 @@ def _tile_summaries(rows, tile_m, repeat=1):
 
 
 def _block_summaries(keys, tile_n):
-    """Per key block (B, blocks): its ids' range and whether it is whole (no Sk tail)."""
+    """Per key block (B, blocks): its ids' range, whether it is whole (no Sk tail),
+    whether its keys are at most two runs of ids, and then where the first ends (the
+    count of keys with the block's first id; the Sk tail continues the last run)."""
+    assert tile_n <= _MAX_TILE_N, tile_n
     b, sk = keys.shape
     blocks = -(-sk // tile_n)
 
-    def tiled(fill):
-        padded = jnp.pad(keys, ((0, 0), (0, blocks * tile_n - sk)), constant_values=fill)
+    def tiled(**fill):
+        padded = jnp.pad(keys, ((0, 0), (0, blocks * tile_n - sk)), **fill)
         return padded.reshape(b, blocks, tile_n)
 
     n = jnp.arange(blocks, dtype=jnp.int32)
-    return tiled(_ID_MAX).min(-1), tiled(_ID_MIN).max(-1), ((n + 1) * tile_n <= sk)[None, :]
+    runs = tiled(mode="edge")
+    two_runs = (runs[..., 1:] != runs[..., :-1]).sum(-1) <= 1
+    split = (runs == runs[..., :1]).sum(-1, dtype=jnp.int32)
+    return (tiled(constant_values=_ID_MAX).min(-1), tiled(constant_values=_ID_MIN).max(-1),
+            ((n + 1) * tile_n <= sk)[None, :], two_runs, split)
 
 
 def _visits(rows, keys, tile_m, tile_n, repeat):
-    """(visit bool, mask int32), (B, query tiles, key blocks): mask _NO_MASK, _RANGES or
-    _IDS (the module docstring)."""
+    """(visit bool, mask int32), (B, query tiles, key blocks): mask _NO_MASK, _RANGES,
+    _IDS or a RUNS mask with its split (the module docstring)."""
     tiles = _tile_summaries(rows, tile_m, repeat)
     lo, hi, q_lo, q_hi, all_begin, all_end = (x[:, :, None] for x in tiles)
-    k_lo, k_hi, whole_block = (x[:, None, :] for x in _block_summaries(keys, tile_n))
+    k_lo, k_hi, whole_block, two_runs, split = (
+        x[:, None, :] for x in _block_summaries(keys, tile_n))
     start = jnp.arange(k_lo.shape[-1], dtype=jnp.int32) * tile_n
     stop = start + tile_n
     visit = (lo < stop) & (hi > start) & (q_lo <= k_hi) & (k_lo <= q_hi)
     one_id = (q_lo == q_hi) & (k_lo == k_hi) & (q_lo == k_lo)
     whole = whole_block & (all_begin <= start) & (all_end >= stop) & one_id
-    mask = jnp.where(whole, _NO_MASK, jnp.where(one_id, _RANGES, _IDS)).astype(jnp.int32)
-    return visit, mask
+    runs = jnp.where(two_runs, _RUNS | (split << 2), _IDS)
+    mask = jnp.where(whole, _NO_MASK, jnp.where(one_id, _RANGES, runs))
+    return visit, mask.astype(jnp.int32)
 
 
 def forward_plan(rows, keys, tile_m: int, tile_n: int, *, one_segment: bool = False,
                  repeat: int = 1, ascending: bool = False):
     """(B, query tiles, 1 + key blocks) int32: per query tile, the count of key blocks it
-    visits, then (block << 2) | its mask for each, from the last block to the first
+    visits, then (block << 10) | its mask for each, from the last block to the first
     (`ascending`: from the first to the last, as paged calls that append take them).
     `one_segment`: every row and key has id 0 (no segment ids, no varlen), the same plan
     in fewer steps (`_one_segment_forward_plan`). `repeat`: each row stands for that
@@ -204,7 +216,7 @@ def _one_segment_forward_plan(rows, sk: int, tile_m: int, tile_n: int, repeat: i
 
 def backward_plan(rows, keys, tile_m: int, tile_n: int, *, repeat: int = 1):
     """(B, key blocks, 1 + 2 * query tiles) int32: per key block, the count of query
-    tiles it visits, (tile << 2) | its mask for each in ascending order, then each visit's
+    tiles it visits, (tile << 10) | its mask for each in ascending order, then each visit's
     deterministic dQ turn: how many higher key blocks visit the same tile. `repeat` as
     for forward_plan."""
     visit, mask = _visits(rows, keys, tile_m, tile_n, repeat)  # (B, tiles, blocks)

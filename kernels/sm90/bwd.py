@@ -760,19 +760,22 @@ class BwdSm90:
         return n_block, kv_head, batch
 
     @cute.jit
-    def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32):
-        """Element masking of S^T for query tile m: the band's, or, in segment variants,
-        the per-row ranges and ids' as the plan's mask for the tile says (`masked`)."""
+    def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32,
+                 n_block: Int32):
+        """Element masking of S^T for query tile m (this consumer's keys from key0, of
+        key block n_block): the band's, or, in segment variants, the per-row ranges and
+        ids' as the plan's mask for the tile says (`masked`)."""
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         q0 = m * self.tile_m
         if cutlass.const_expr(self.segments):
+            block = (s_rc, coord_s, q0, key0, seg.rows, seg.keys, seg.seqlen_q, seqlen_k, True)
             if masked == segments.IDS:
-                segments.mask_block(s_rc, coord_s, q0, key0, seg.rows, seg.keys,
-                                    seg.seqlen_q, seqlen_k, keys_along_rows=True)
+                segments.mask_block(*block)
+            elif masked == segments.RANGES:
+                segments.mask_block(*block, kind=segments.RANGES)
             elif masked != segments.NO_MASK:
-                segments.mask_block(s_rc, coord_s, q0, key0, seg.rows, seg.keys,
-                                    seg.seqlen_q, seqlen_k, keys_along_rows=True,
-                                    check_ids=False)
+                segments.mask_block(*block, kind=segments.RUNS, runs=masked,
+                                    block0=n_block * self.tile_n)
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
                                self.banded)
@@ -902,7 +905,7 @@ class BwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores_and_slope(s_rc, ds_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask_kq(s_rc, coord_s, key0, m, run, walk.seg, masked)
+            self._mask_kq(s_rc, coord_s, key0, m, run, walk.seg, masked, walk.n_block)
         for col in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             lse2 = sLSE2[coord_s[0, col][1], stage]
             for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):

@@ -841,8 +841,11 @@ class FwdSm90:
             if cutlass.const_expr(self.segments):
                 if first_masked == segments.IDS:
                     self._mask(s_rc, coord_s, row0, n_last, run, seg)
+                elif first_masked == segments.RANGES:
+                    self._mask(s_rc, coord_s, row0, n_last, run, seg, segments.RANGES)
                 elif first_masked != segments.NO_MASK:
-                    self._mask(s_rc, coord_s, row0, n_last, run, seg, check_ids=False)
+                    self._mask(s_rc, coord_s, row0, n_last, run, seg, segments.RUNS,
+                               first_masked)
             elif cutlass.const_expr(self._tail_mask_only):
                 if first_masked != 0:
                     self._mask(s_rc, coord_s, row0, n_last, run, seg)
@@ -860,10 +863,14 @@ class FwdSm90:
                     if block_mask == segments.IDS:
                         k_consumer, v_consumer = self._step(
                             True, n_block, tiles, run, seg, k_consumer, v_consumer)
+                    elif block_mask == segments.RANGES:
+                        k_consumer, v_consumer = self._step(
+                            True, n_block, tiles, run, seg, k_consumer, v_consumer,
+                            segments.RANGES)
                     elif block_mask != segments.NO_MASK:
                         k_consumer, v_consumer = self._step(
                             True, n_block, tiles, run, seg, k_consumer, v_consumer,
-                            check_ids=False)
+                            segments.RUNS, block_mask)
                     else:
                         k_consumer, v_consumer = self._step(
                             False, n_block, tiles, run, seg, k_consumer, v_consumer)
@@ -915,11 +922,12 @@ class FwdSm90:
 
     @cute.jit
     def _step(self, is_masked: cutlass.Constexpr, n_block: Int32, tiles,
-              run: Scalars, seg, k_consumer, v_consumer, check_ids: cutlass.Constexpr = True):
+              run: Scalars, seg, k_consumer, v_consumer,
+              kind: cutlass.Constexpr = segments.IDS, runs=None):
         """S_j = Q K_j^T and O += P_{j+1} V_{j+1} on the tensor cores, softmax of S_j
         overlapping the PV product (j = n_block; P_{j+1} is in r_p); returns the advanced
         ring consumers. is_masked: element masking (segment variants: the plan flags
-        the block, and check_ids as _mask)."""
+        the block, and kind and runs as _mask)."""
         thr_qk, s_shape, tSrQ, tSrK = tiles.thr_qk, tiles.s_shape, tiles.tSrQ, tiles.tSrK
         tOrV, tOrP, r_p, acc_o = tiles.tOrV, tiles.tOrP, tiles.r_p, tiles.acc_o
         coord_s, softmax, o_scale = tiles.coord_s, tiles.softmax, tiles.o_scale
@@ -944,7 +952,7 @@ class FwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores(s_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask(s_rc, coord_s, row0, n_block, run, seg, check_ids)
+            self._mask(s_rc, coord_s, row0, n_block, run, seg, kind, runs)
         softmax.step(s_rc, o_scale)
         warpgroup.wait_group(0)
         self._release(v_handle)
@@ -1080,15 +1088,15 @@ class FwdSm90:
     # ------------------------------------------------------------------ helpers
     @cute.jit
     def _mask(self, s_rc, coord_s, row0: Int32, n_block: Int32, run: Scalars, seg,
-              check_ids: cutlass.Constexpr = True):
+              kind: cutlass.Constexpr = segments.IDS, runs=None):
         """Element masking of key block n_block: the band's, or, in segment variants,
-        the per-row ranges and ids' (called for the blocks the plan flags; only the
-        ranges' without check_ids, for blocks it flags RANGES)."""
+        the plan's for the blocks it flags: `kind` of mask (and the RUNS mask itself,
+        `runs`) as segments.mask_block takes them."""
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         col0 = n_block * self.tile_n
         if cutlass.const_expr(self.segments):
             segments.mask_block(s_rc, coord_s, row0, col0, seg.rows, seg.keys,
-                                seg.seqlen_q, seqlen_k, check_ids=check_ids)
+                                seg.seqlen_q, seqlen_k, kind=kind, runs=runs)
         else:
             mask.mask_block(s_rc, coord_s, row0, col0, seqlen_k, band_lo, band_hi, self.banded)
 

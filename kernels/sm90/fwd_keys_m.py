@@ -248,8 +248,10 @@ class FwdKeysAsM(FwdSm90):
             if cutlass.const_expr(self.segments):
                 if first_masked == segments.IDS:
                     self._mask(acc_s, n_last, tiles, run, seg)
+                elif first_masked == segments.RANGES:
+                    self._mask(acc_s, n_last, tiles, run, seg, segments.RANGES)
                 elif first_masked != segments.NO_MASK:
-                    self._mask(acc_s, n_last, tiles, run, seg, check_ids=False)
+                    self._mask(acc_s, n_last, tiles, run, seg, segments.RUNS, first_masked)
             else:
                 self._mask(acc_s, n_last, tiles, run, seg)
             self._softmax(acc_s, tiles)
@@ -261,10 +263,14 @@ class FwdKeysAsM(FwdSm90):
                     if block_mask == segments.IDS:
                         k_consumer, v_consumer = self._block_step(
                             True, n_block, i, tiles, run, seg, k_consumer, v_consumer)
+                    elif block_mask == segments.RANGES:
+                        k_consumer, v_consumer = self._block_step(
+                            True, n_block, i, tiles, run, seg, k_consumer, v_consumer,
+                            segments.RANGES)
                     elif block_mask != segments.NO_MASK:
                         k_consumer, v_consumer = self._block_step(
                             True, n_block, i, tiles, run, seg, k_consumer, v_consumer,
-                            check_ids=False)
+                            segments.RUNS, block_mask)
                     else:
                         k_consumer, v_consumer = self._block_step(
                             False, n_block, i, tiles, run, seg, k_consumer, v_consumer)
@@ -301,12 +307,13 @@ class FwdKeysAsM(FwdSm90):
 
     @cute.jit
     def _block_step(self, is_masked: cutlass.Constexpr, n_block, visit, tiles, run: Scalars,
-                    seg, k_consumer, v_consumer, check_ids: cutlass.Constexpr = True):
+                    seg, k_consumer, v_consumer, kind: cutlass.Constexpr = segments.IDS,
+                    runs=None):
         """Visit `visit` (>= 1), key block j = n_block: S^T_j = K_j Q^T and O^T +=
         V^T P^T of the previous visit on the tensor cores, the softmax of S^T_j
         overlapping the second (P^T of visit i is in buffer i % P_STAGES); returns the
         advanced ring consumers. is_masked: element masking (segment variants: the plan
-        flags the block, and check_ids as _mask)."""
+        flags the block, and kind and runs as _mask)."""
         acc_s = tiles.thr_st.make_fragment_C(tiles.s_shape)
         k_consumer, k_handle = self._issue_st(acc_s, tiles, k_consumer)
         self._rescale_columns(tiles.acc_o, tiles.o_scale)
@@ -319,7 +326,7 @@ class FwdKeysAsM(FwdSm90):
         if cutlass.const_expr(k_handle is not None):
             self._release(k_handle)
         if cutlass.const_expr(is_masked):
-            self._mask(acc_s, n_block, tiles, run, seg, check_ids)
+            self._mask(acc_s, n_block, tiles, run, seg, kind, runs)
         self._softmax(acc_s, tiles)
         warpgroup.wait_group(0)
         self._release(v_handle)
@@ -343,14 +350,15 @@ class FwdKeysAsM(FwdSm90):
         return k_consumer, k_handle
 
     @cute.jit
-    def _mask(self, acc_s, n_block, tiles, run: Scalars, seg, check_ids: cutlass.Constexpr = True):
+    def _mask(self, acc_s, n_block, tiles, run: Scalars, seg,
+              kind: cutlass.Constexpr = segments.IDS, runs=None):
         """Element masking of S^T for key block n_block: the band's, or, in segment
-        variants, the per-row ranges and ids' (only the ranges' without check_ids)."""
+        variants, the plan's: `kind` and `runs` as segments.mask_block takes them."""
         key0 = n_block * self.tile_n
         if cutlass.const_expr(self.segments):
             segments.mask_block(rows_cols(acc_s), tiles.coord_s, tiles.row0, key0, seg.rows,
                                 seg.keys, seg.seqlen_q, run.seqlen_k, keys_along_rows=True,
-                                check_ids=check_ids)
+                                kind=kind, runs=runs)
         else:
             mask.mask_block_kq(rows_cols(acc_s), tiles.coord_s, key0, tiles.row0,
                                run.seqlen_k, run.band_lo, run.band_hi, self.banded)

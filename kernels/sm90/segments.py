@@ -9,14 +9,16 @@ Per batch b (int32, all written by jax_fa4):
           the row sees nothing);
     keys  (B, 1, Sk): the segment id of key j;
     plan  per tile, entry 0 is the count c of blocks it visits, entries 1 .. c are
-          (block << 2) | mask, mask one of NO_MASK (every row of the tile sees the
+          (block << 10) | mask, mask one of NO_MASK (every row of the tile sees the
           whole block), RANGES (element masking by the rows' key ranges alone: the
-          block's keys and the tile's rows that see any key all have one id) or IDS
-          (by the ranges and each key's id).
+          block's keys and the tile's rows that see any key all have one id), RUNS |
+          (split << 2) (the block's keys are one run of ids up to its key `split` and
+          one from there: by the rows' ranges cut to their id's run) or IDS (by the
+          ranges and each key's id). Only IDS reads the keys' ids per element.
           Forward (B, query tiles, 1 + key blocks): key blocks from the last to the
           first (paged calls that append: from the first to the last). Backward (B,
           key blocks, 1 + 2 * query tiles): the query tiles in ascending order, as
-          (tile << 2) | mask, and entry 1 + query tiles + i is the deterministic dQ
+          (tile << 10) | mask, and entry 1 + query tiles + i is the deterministic dQ
           turn of visit i (the number of key blocks above this one that visit the
           same query tile: they add in descending order, as the grid launches them).
 Blocks left out of the plan are never loaded. Rows and keys past Sq / Sk are never read:
@@ -29,7 +31,8 @@ from cutlass import Float32, Int32
 
 KEY_BEGIN, KEY_END, SEGMENT = 0, 1, 2
 # A plan entry's mask (the module docstring); jax_fa4/_segment_plan.py writes them.
-NO_MASK, RANGES, IDS = 0, 1, 3
+NO_MASK, RANGES, RUNS, IDS = 0, 1, 2, 3
+MASK_BITS = 10  # the mask and a RUNS block's split: blocks of at most 255 keys
 
 
 class Views:
@@ -55,8 +58,9 @@ def skip_visits(plan_row: cute.Tensor, n: Int32) -> cute.Tensor:
 
 @cute.jit
 def decode(entry: Int32):
-    """(block, mask) of a plan entry; mask != NO_MASK where the block needs masking."""
-    return entry >> 2, entry & 3
+    """(block, mask) of a plan entry: mask is NO_MASK, RANGES or IDS, else a RUNS
+    mask with its split (for mask_block's `runs`)."""
+    return entry >> MASK_BITS, entry & ((1 << MASK_BITS) - 1)
 
 
 @cute.jit
@@ -76,31 +80,51 @@ def mask_block(
     seqlen_q: Int32,
     seqlen_k: Int32,
     keys_along_rows: cutlass.Constexpr = False,
-    check_ids: cutlass.Constexpr = True,
+    kind: cutlass.Constexpr = IDS,
+    runs=None,
+    block0=None,
 ):
     """Set invisible scores of one block to -inf. `coord_rc` holds each value's (row,
     col) inside the block; query rows start at q0 and keys at key0, keys along the
     block's columns, or along its rows for a transposed block S^T (`keys_along_rows`);
-    `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids. Without `check_ids`
-    (blocks the plan flags RANGES) the key ranges alone: the keys' ids are not read."""
+    `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids. `kind`: the plan's mask
+    of the block (not NO_MASK). RUNS, with `runs` the plan's mask of the key block that
+    starts at key `block0` (default key0; a backward consumer masks part of a block):
+    each row's key range cut to its id's run (the block's keys before the split have
+    its first id, the rest the id at the split)."""
     q_mode, k_mode = (1, 0) if keys_along_rows else (0, 1)
     n_k = cute.size(s_rc, mode=[k_mode])
+    by_ids, by_runs = kind == IDS, kind == RUNS
     key_ids = None
-    if cutlass.const_expr(check_ids):
+    split, first_id, split_id = None, None, None
+    if cutlass.const_expr(by_ids):
         key_ids = cute.make_rmem_tensor((n_k,), Int32)
         for j in cutlass.range_constexpr(n_k):
             first = (j, 0) if keys_along_rows else (0, j)
             key_ids[j] = keys[cutlass.min(key0 + coord_rc[first][k_mode], seqlen_k - 1)]
+    if cutlass.const_expr(by_runs):
+        block0 = key0 if block0 is None else block0
+        split = block0 + (runs >> 2)
+        first_id = keys[cutlass.min(block0, seqlen_k - 1)]
+        split_id = keys[cutlass.min(split, seqlen_k - 1)]
+        split -= key0
     for t in cutlass.range_constexpr(cute.size(s_rc, mode=[q_mode])):
         first = (0, t) if keys_along_rows else (t, 0)
         row = cutlass.min(q0 + coord_rc[first][q_mode], seqlen_q - 1)
         begin = rows[KEY_BEGIN, row] - key0
         end = rows[KEY_END, row] - key0
-        segment = rows[SEGMENT, row] if cutlass.const_expr(check_ids) else None
+        segment = rows[SEGMENT, row] if cutlass.const_expr(kind != RANGES) else None
+        if cutlass.const_expr(by_runs):
+            # The first run is [0, split), the second [split, ...); a row of another id
+            # gets end <= begin: it sees nothing here.
+            in_first = segment == first_id
+            end = cutlass.select_(in_first, cutlass.min(end, split),
+                                  cutlass.select_(segment == split_id, end, begin))
+            begin = cutlass.select_(in_first, begin, cutlass.max(begin, split))
         for j in cutlass.range_constexpr(n_k):
             at = (j, t) if keys_along_rows else (t, j)
             key = coord_rc[at][k_mode]
-            if cutlass.const_expr(check_ids):
+            if cutlass.const_expr(by_ids):
                 if key < begin or key >= end or key_ids[j] != segment:
                     s_rc[at] = -Float32.inf
             else:

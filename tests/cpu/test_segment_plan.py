@@ -5,8 +5,11 @@ both alignments, at the kernels' tile shapes:
 - rows and keys give exactly the reference's visibility, and for attention_varlen's
   packed sequences (`_masks.varlen`) too;
 - every (tile, block) pair holding a visible pair is in both plans, with the same
-  mask; an unmasked pair is seen whole (no Sq / Sk tail), and one masked by the key
-  ranges alone (RANGES) has the visibility of those ranges;
+  mask; an unmasked pair is seen whole (no Sq / Sk tail), one masked by the key
+  ranges alone (RANGES) has the visibility of those ranges, and one masked by runs
+  (RUNS) the visibility the kernels give it: each row's key range cut to its id's run
+  of the block, the block's first id up to the split and the id at the split from
+  there (kernels/sm90/segments.py mask_block);
 - the forward lists key blocks in descending order, the backward query tiles in
   ascending order, and the deterministic turns of a tile's key blocks count 0, 1, ...
   from the highest block down.
@@ -23,6 +26,9 @@ import jax_fa4
 from jax_fa4 import _api, _masks, _path, _segment_plan, _spec
 
 TILES = ((64, 128), (128, 128), (192, 128), (128, 80), (64, 64))
+# A plan entry: the tile or block above BITS, its mask below (kernels/sm90/segments.py).
+BITS = _segment_plan._MASK_BITS
+LOW = (1 << BITS) - 1
 
 
 def _lengths(rng, s, b):
@@ -98,7 +104,7 @@ def test_varlen_rows_give_the_reference_visibility(seed):
 def _check_plans(rows, keys, visible, tile_m, tile_n):
     b, sq, sk = visible.shape
     j = np.arange(sk)
-    rows_np = np.asarray(rows)
+    rows_np, keys_np = np.asarray(rows), np.asarray(keys)
     in_range = (rows_np[:, 0, :, None] <= j) & (j < rows_np[:, 1, :, None])
     fwd = np.asarray(_segment_plan.forward_plan(rows, keys, tile_m, tile_n))
     bwd = np.asarray(_segment_plan.backward_plan(rows, keys, tile_m, tile_n))
@@ -108,14 +114,14 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
         fwd_visits, bwd_visits = {}, {}
         for m in range(tiles):
             entries = fwd[batch, m, 1:1 + fwd[batch, m, 0]]
-            assert (np.diff(entries >> 2) < 0).all()
-            fwd_visits.update({(m, e >> 2): e & 3 for e in entries})
+            assert (np.diff(entries >> BITS) < 0).all()
+            fwd_visits.update({(m, e >> BITS): e & LOW for e in entries})
         for n in range(blocks):
             count = bwd[batch, n, 0]
             entries = bwd[batch, n, 1:1 + count]
             turns = bwd[batch, n, 1 + tiles:1 + tiles + count]
-            assert (np.diff(entries >> 2) > 0).all()
-            bwd_visits.update({(e >> 2, n): (e & 3, t) for e, t in zip(entries, turns)})
+            assert (np.diff(entries >> BITS) > 0).all()
+            bwd_visits.update({(e >> BITS, n): (e & LOW, t) for e, t in zip(entries, turns)})
         assert fwd_visits.keys() == bwd_visits.keys()
         for m in range(tiles):
             for n in range(blocks):
@@ -123,20 +129,45 @@ def _check_plans(rows, keys, visible, tile_m, tile_n):
                                 n * tile_n:(n + 1) * tile_n]
                 if block.any():
                     assert (m, n) in fwd_visits
-                assert fwd_visits.get((m, n), 0) in (0, 1, 3)
-                if fwd_visits.get((m, n)) == 0:
+                masked = fwd_visits.get((m, n), 0)
+                assert masked in (0, 1, 3) or masked & 3 == 2
+                if (m, n) in fwd_visits and masked == 0:
                     rows_in_tile = min(tile_m, sq - m * tile_m)
                     assert block.all() and block.shape == (rows_in_tile, tile_n)
-                if fwd_visits.get((m, n)) == 1:
+                if masked == 1:
                     ranges = in_range[batch, m * tile_m:(m + 1) * tile_m,
                                       n * tile_n:(n + 1) * tile_n]
                     np.testing.assert_array_equal(ranges, block)
+                if masked & 3 == 2:
+                    np.testing.assert_array_equal(
+                        _by_runs(rows_np[batch], keys_np[batch], m * tile_m, n * tile_n,
+                                 masked >> 2, block.shape), block)
                 if (m, n) in fwd_visits:
                     assert bwd_visits[(m, n)][0] == fwd_visits[(m, n)]
             down = sorted((n for (t, n) in bwd_visits if t == m), reverse=True)
             assert [bwd_visits[(m, n)][1] for n in down] == list(range(len(down)))
     _check_ascending(fwd, _segment_plan.forward_plan(rows, keys, tile_m, tile_n,
                                                      ascending=True))
+
+
+def _by_runs(rows, keys, q0, key0, split, shape):
+    """The visibility the kernels give a block the plan masks by runs: each row's
+    range cut to the first run [key0, key0 + split) if it has the block's first id, to
+    the second run from there if it has the id at the split, else empty."""
+    sq, sk = rows.shape[-1], keys.shape[-1]
+    first_id, split_id = keys[min(key0, sk - 1)], keys[min(key0 + split, sk - 1)]
+    out = np.zeros(shape, bool)
+    for r in range(shape[0]):
+        begin, end, segment = rows[:, min(q0 + r, sq - 1)]
+        if segment == first_id:
+            end = min(end, key0 + split)
+        elif segment == split_id:
+            begin = max(begin, key0 + split)
+        else:
+            end = begin
+        j = key0 + np.arange(shape[1])
+        out[r] = (begin <= j) & (j < end)
+    return out
 
 
 def _check_ascending(plan, ascending):
