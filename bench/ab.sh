@@ -8,7 +8,9 @@
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #
-# Writes $OUT/<label>-<rep>.jsonl (and .txt) for rep 1, 2. With --generate after the
+# Writes $OUT/<label>-<rep>.jsonl (and .txt) for rep 1, 2, and all of them again in one
+# file, $OUT.tar (a device call brings back 8 files: put its OUT folders one level below
+# its $OUT, and the tars come back first). With --generate after the
 # builds, each run is the generation example's instead (its arguments follow):
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --generate --preset gpu --batch 32
@@ -43,3 +45,4 @@ for rep in 1 2; do
   done
 done
 rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"
+tar -cf "$out.tar" -C "$out" .
