@@ -33,7 +33,9 @@
 # (d87efd7c): core 5.7 then large 0.4, features 7.0, heads 5.0; again with `single`:
 # core 4.4 then large 0.4, features 5.4, heads 3.9: 5.5 minutes in all. With the
 # long-band tiles (715ff729): core 4.9 (1833) then large 0.4, features 6.1, heads 4.6
-# (388): 6.2 minutes.
+# (388): 6.2 minutes. On 2 x H200 (2026-11-28, c486b662, backward references shared
+# between a problem's two dq modes): core 3.6 (1836), features 6.6 (505), heads 4.9
+# (388), large 0.3 (10).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
