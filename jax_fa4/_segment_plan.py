@@ -142,16 +142,13 @@ def _block_summaries(keys, tile_n):
     b, sk = keys.shape
     blocks = -(-sk // tile_n)
 
-    def tiled(**fill):
-        padded = jnp.pad(keys, ((0, 0), (0, blocks * tile_n - sk)), **fill)
-        return padded.reshape(b, blocks, tile_n)
-
+    # The tail repeats the last key: it leaves every block's ids and runs as they are.
+    runs = jnp.pad(keys, ((0, 0), (0, blocks * tile_n - sk)), mode="edge")
+    runs = runs.reshape(b, blocks, tile_n)
     n = jnp.arange(blocks, dtype=jnp.int32)
-    runs = tiled(mode="edge")
     two_runs = (runs[..., 1:] != runs[..., :-1]).sum(-1) <= 1
     split = (runs == runs[..., :1]).sum(-1, dtype=jnp.int32)
-    return (tiled(constant_values=_ID_MAX).min(-1), tiled(constant_values=_ID_MIN).max(-1),
-            ((n + 1) * tile_n <= sk)[None, :], two_runs, split)
+    return (runs.min(-1), runs.max(-1), ((n + 1) * tile_n <= sk)[None, :], two_runs, split)
 
 
 def _visits(rows, keys, tile_m, tile_n, repeat):

@@ -768,14 +768,9 @@ class BwdSm90:
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         q0 = m * self.tile_m
         if cutlass.const_expr(self.segments):
-            block = (s_rc, coord_s, q0, key0, seg.rows, seg.keys, seg.seqlen_q, seqlen_k, True)
-            if masked == segments.IDS:
-                segments.mask_block(*block)
-            elif masked == segments.RANGES:
-                segments.mask_block(*block, kind=segments.RANGES)
-            elif masked != segments.NO_MASK:
-                segments.mask_block(*block, kind=segments.RUNS, runs=masked,
-                                    block0=n_block * self.tile_n)
+            segments.mask_as_planned(masked, lambda kind, runs: segments.mask_block(
+                s_rc, coord_s, q0, key0, seg.rows, seg.keys, seg.seqlen_q, seqlen_k,
+                keys_along_rows=True, kind=kind, runs=runs, block0=n_block * self.tile_n))
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
                                self.banded)

@@ -839,13 +839,8 @@ class FwdSm90:
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores(s_rc, softcap_scale)
             if cutlass.const_expr(self.segments):
-                if first_masked == segments.IDS:
-                    self._mask(s_rc, coord_s, row0, n_last, run, seg)
-                elif first_masked == segments.RANGES:
-                    self._mask(s_rc, coord_s, row0, n_last, run, seg, segments.RANGES)
-                elif first_masked != segments.NO_MASK:
-                    self._mask(s_rc, coord_s, row0, n_last, run, seg, segments.RUNS,
-                               first_masked)
+                segments.mask_as_planned(first_masked, lambda kind, runs: self._mask(
+                    s_rc, coord_s, row0, n_last, run, seg, kind, runs))
             elif cutlass.const_expr(self._tail_mask_only):
                 if first_masked != 0:
                     self._mask(s_rc, coord_s, row0, n_last, run, seg)

@@ -246,12 +246,8 @@ class FwdKeysAsM(FwdSm90):
             if cutlass.const_expr(k_handle is not None):
                 self._release(k_handle)
             if cutlass.const_expr(self.segments):
-                if first_masked == segments.IDS:
-                    self._mask(acc_s, n_last, tiles, run, seg)
-                elif first_masked == segments.RANGES:
-                    self._mask(acc_s, n_last, tiles, run, seg, segments.RANGES)
-                elif first_masked != segments.NO_MASK:
-                    self._mask(acc_s, n_last, tiles, run, seg, segments.RUNS, first_masked)
+                segments.mask_as_planned(first_masked, lambda kind, runs: self._mask(
+                    acc_s, n_last, tiles, run, seg, kind, runs))
             else:
                 self._mask(acc_s, n_last, tiles, run, seg)
             self._softmax(acc_s, tiles)

@@ -70,6 +70,19 @@ def visit(plan_row: cute.Tensor, i: Int32):
 
 
 @cute.jit
+def mask_as_planned(masked: Int32, mask_with):
+    """mask_with(kind, runs) as the plan's mask of a block says (`decode`): nothing for
+    NO_MASK. Where a branch may sit inside the step; the forward's step loops branch
+    around whole steps instead (FwdSm90)."""
+    if masked == IDS:
+        mask_with(IDS, None)
+    elif masked == RANGES:
+        mask_with(RANGES, None)
+    elif masked != NO_MASK:
+        mask_with(RUNS, masked)
+
+
+@cute.jit
 def mask_block(
     s_rc: cute.Tensor,
     coord_rc: cute.Tensor,
