@@ -760,17 +760,19 @@ class BwdSm90:
         return n_block, kv_head, batch
 
     @cute.jit
-    def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32,
-                 n_block: Int32):
-        """Element masking of S^T for query tile m (this consumer's keys from key0, of
-        key block n_block): the band's, or, in segment variants, the per-row ranges and
-        ids' as the plan's mask for the tile says (`masked`)."""
+    def _mask_kq(self, s_rc, coord_s, key0: Int32, m: Int32, run: Scalars, seg, masked: Int32):
+        """Element masking of S^T for query tile m (this consumer's keys from key0): the
+        band's, or, in segment variants, the per-row ranges and ids' as the plan's mask
+        for the tile says (`masked`)."""
         seqlen_k, band_lo, band_hi = run.seqlen_k, run.band_lo, run.band_hi
         q0 = m * self.tile_m
         if cutlass.const_expr(self.segments):
+            # RUNS blocks take the ids' mask: cut ranges gained the backward nothing
+            # (six documents per 16k row, H200: 0.985-1.016) and made ptxas spill 12
+            # bytes in the d128 kernel (0 this way; 8 with RANGES tested first).
             segments.mask_as_planned(masked, lambda kind, runs: segments.mask_block(
                 s_rc, coord_s, q0, key0, seg.rows, seg.keys, seg.seqlen_q, seqlen_k,
-                keys_along_rows=True, kind=kind, runs=runs, block0=n_block * self.tile_n))
+                keys_along_rows=True, kind=kind, runs=runs), runs_as_ids=True)
         else:
             mask.mask_block_kq(s_rc, coord_s, key0, q0, seqlen_k, band_lo, band_hi,
                                self.banded)
@@ -900,7 +902,7 @@ class BwdSm90:
         if cutlass.const_expr(self.softcap):
             softcap.cap_scores_and_slope(s_rc, ds_rc, softcap_scale)
         if cutlass.const_expr(is_masked):
-            self._mask_kq(s_rc, coord_s, key0, m, run, walk.seg, masked, walk.n_block)
+            self._mask_kq(s_rc, coord_s, key0, m, run, walk.seg, masked)
         for col in cutlass.range_constexpr(cute.size(s_rc, mode=[1])):
             lse2 = sLSE2[coord_s[0, col][1], stage]
             for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):

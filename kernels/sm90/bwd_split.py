@@ -154,8 +154,7 @@ class BwdSm90SplitD(BwdSm90):
             if cutlass.const_expr(self.softcap):
                 softcap.cap_scores_and_slope(s_rc, rows_cols(slope), softcap_scale)
             if cutlass.const_expr(is_masked):
-                self._mask_kq(s_rc, rows_cols(coord), key0, m, run, walk.seg, masked,
-                              walk.n_block)
+                self._mask_kq(s_rc, rows_cols(coord), key0, m, run, walk.seg, masked)
             for i in cutlass.range_constexpr(cute.size(acc)):
                 lse2 = sLSE2[coord[i][1], stage]
                 acc[i] = cute.math.exp2(acc[i] * scale_log2 - lse2, fastmath=True)

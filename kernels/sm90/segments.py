@@ -70,16 +70,23 @@ def visit(plan_row: cute.Tensor, i: Int32):
 
 
 @cute.jit
-def mask_as_planned(masked: Int32, mask_with):
+def mask_as_planned(masked: Int32, mask_with, runs_as_ids: cutlass.Constexpr = False):
     """mask_with(kind, runs) as the plan's mask of a block says (`decode`): nothing for
     NO_MASK. Where a branch may sit inside the step; the forward's step loops branch
-    around whole steps instead (FwdSm90)."""
-    if masked == IDS:
-        mask_with(IDS, None)
-    elif masked == RANGES:
-        mask_with(RANGES, None)
-    elif masked != NO_MASK:
-        mask_with(RUNS, masked)
+    around whole steps instead (FwdSm90). `runs_as_ids`: RUNS blocks take the ids' mask,
+    tested first (the backward: see BwdSm90._mask_kq)."""
+    if cutlass.const_expr(runs_as_ids):
+        if masked & 3 >= RUNS:
+            mask_with(IDS, None)
+        elif masked != NO_MASK:
+            mask_with(RANGES, None)
+    else:
+        if masked == IDS:
+            mask_with(IDS, None)
+        elif masked == RANGES:
+            mask_with(RANGES, None)
+        elif masked != NO_MASK:
+            mask_with(RUNS, masked)
 
 
 @cute.jit
@@ -95,15 +102,13 @@ def mask_block(
     keys_along_rows: cutlass.Constexpr = False,
     kind: cutlass.Constexpr = IDS,
     runs=None,
-    block0=None,
 ):
     """Set invisible scores of one block to -inf. `coord_rc` holds each value's (row,
     col) inside the block; query rows start at q0 and keys at key0, keys along the
     block's columns, or along its rows for a transposed block S^T (`keys_along_rows`);
     `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids. `kind`: the plan's mask
     of the block (not NO_MASK). RUNS, with `runs` the plan's mask of the key block that
-    starts at key `block0` (default key0; a backward consumer masks part of a block):
-    each row's key range cut to its id's run (the block's keys before the split have
+    starts at key0: each row's key range cut to its id's run (the block's keys before the split have
     its first id, the rest the id at the split)."""
     q_mode, k_mode = (1, 0) if keys_along_rows else (0, 1)
     n_k = cute.size(s_rc, mode=[k_mode])
@@ -116,11 +121,9 @@ def mask_block(
             first = (j, 0) if keys_along_rows else (0, j)
             key_ids[j] = keys[cutlass.min(key0 + coord_rc[first][k_mode], seqlen_k - 1)]
     if cutlass.const_expr(by_runs):
-        block0 = key0 if block0 is None else block0
-        split = block0 + (runs >> 2)
-        first_id = keys[cutlass.min(block0, seqlen_k - 1)]
-        split_id = keys[cutlass.min(split, seqlen_k - 1)]
-        split -= key0
+        split = runs >> 2
+        first_id = keys[cutlass.min(key0, seqlen_k - 1)]
+        split_id = keys[cutlass.min(key0 + split, seqlen_k - 1)]
     for t in cutlass.range_constexpr(cute.size(s_rc, mode=[q_mode])):
         first = (0, t) if keys_along_rows else (t, 0)
         row = cutlass.min(q0 + coord_rc[first][q_mode], seqlen_q - 1)
