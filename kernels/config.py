@@ -496,7 +496,8 @@ class BwdTile:
 # 128 + 64 + 32 KB.
 # d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
 # of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept. Its ptxas serializes
-# the wgmma for want of registers (C7512), which m=64 does not.
+# the wgmma for want of registers (C7512), which m=64 does not (and, since the dV GEMM
+# is issued late, m=128 does not either: _BWD_PLAIN_TILES).
 # Also measured then (same method, options off / on):
 # programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
 # in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
@@ -571,6 +572,23 @@ _BWD_TILES = {
 }
 
 
+# (head_dim, banded) of kernels without softcap or segments, on taller query tiles than
+# _BWD_TILES (their softcap and segment variants spill there: ptxas -v, d64 128 rows,
+# 128 to 688 bytes). d64 on 128-row tiles (FA3's), which ptxas no longer serializes with
+# the dV GEMM issued late (BwdSm90.late_dv), against 64 rows (2 x H200, 2026-11-28,
+# alternated twice in one call, 512 / 2k / 8k / 16k): atomic 1.09 / 1.17 / 1.12-1.16 /
+# 1.12-1.15, causal 1.04 / 1.13 / 1.22 / 1.12; deterministic 1.07 / 1.11 / 1.07-1.10 /
+# 1.12-1.15, causal 1.08-1.09 / 1.14-1.15 / 1.18 / 1.14-1.18.
+# Measured in the same runs and not kept (branch bwd-tiles-m80): d128 on 80-row tiles
+# (FA3's and upstream FA4's without a mask; dQ^T = K^T dS^T, as 80 rows are not a
+# multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 / 0.97-1.01 /
+# 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01.
+_BWD_PLAIN_TILES = {
+    (64, False): BwdTile(m=128, n=128, q_stages=2),
+    (64, True): BwdTile(m=128, n=128, q_stages=2),
+}
+
+
 class BwdConfig(_KernelConfig):
     """One exported backward: preprocess, the KV-stationary main kernel and postprocess,
     launched in order by one entry point. Atomic vs deterministic dQ is a runtime flag."""
@@ -579,6 +597,9 @@ class BwdConfig(_KernelConfig):
 
     @property
     def tile(self) -> BwdTile:
+        plain = not (self.softcap or self.segments)
+        if plain and (self.head_dim, self.banded) in _BWD_PLAIN_TILES:
+            return _BWD_PLAIN_TILES[(self.head_dim, self.banded)]
         return _BWD_TILES[self.head_dim]
 
     @property

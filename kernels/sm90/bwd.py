@@ -199,6 +199,11 @@ class BwdSm90:
         self.threads = WARPGROUP * (1 + self.consumers)
         # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
         self.dq_cols = self.head_dim // self.consumers
+        # Taller tiles hold more than 32 fp32 values of S^T and of dP^T a thread: issued
+        # on P^T alone, beside both, the dV GEMM made ptxas serialize every wgmma of the
+        # kernel (C7512; d64 with 128 rows). So there it waits until dS is computed and
+        # P^T and dS^T are 16-bit (FA3's order), and the dQ GEMM until it is done.
+        self.late_dv = self.tile_m > 64
         self.dq_vals = self.tile_m * self.dq_cols // WARPGROUP  # per thread
 
     @cute.jit
@@ -880,8 +885,8 @@ class BwdSm90:
         else:
             staged_before = (head - walk.heads[0]) + (visit - walk.m_begin)
         frags, s_shape, coord_s = tiles.frags, tiles.s_shape, tiles.coord_s
-        r_p, r_ds, p_op, ds_op = tiles.r_p, tiles.r_ds, tiles.p_op, tiles.ds_op
-        acc_dv, acc_dk, ds_r2s = tiles.acc_dv, tiles.acc_dk, tiles.ds_r2s
+        r_ds, ds_op = tiles.r_ds, tiles.ds_op
+        acc_dk, ds_r2s = tiles.acc_dk, tiles.ds_r2s
         sdS_t, sdQ_c, c, tidx, key0 = tiles.sdS_t, tiles.sdQ_c, tiles.c, tiles.tidx, tiles.key0
         sLSE2, sDsum, scale_log2 = smem.sLSE2, smem.sDsum, run.scale_log2
         softcap_scale = run.softcap_scale
@@ -907,11 +912,10 @@ class BwdSm90:
             lse2 = sLSE2[coord_s[0, col][1], stage]
             for r in cutlass.range_constexpr(cute.size(s_rc, mode=[0])):
                 s_rc[r, col] = cute.math.exp2(s_rc[r, col] * scale_log2 - lse2, fastmath=True)
-        r_p.store(acc_s.load().to(self.dtype))
-        wgmma.gemm(self._dkv_mma(self.head_dim_v), acc_dv, p_op,
-                   frags.do_t[None, None, None, stage], False)
+        if cutlass.const_expr(not self.late_dv):
+            self._dv_gemm(acc_s, tiles, stage)
 
-        warpgroup.wait_group(1)  # dP^T
+        warpgroup.wait_group(0 if self.late_dv else 1)  # dP^T
         dp_rc = rows_cols(acc_dp)
         for col in cutlass.range_constexpr(cute.size(dp_rc, mode=[1])):
             dsum = sDsum[coord_s[0, col][1], stage]
@@ -921,6 +925,8 @@ class BwdSm90:
                     ds = ds * ds_rc[r, col].to(Float32)
                 dp_rc[r, col] = ds
         r_ds.store(acc_dp.load().to(self.dtype))
+        if cutlass.const_expr(self.late_dv):
+            self._dv_gemm(acc_s, tiles, stage)
         wgmma.gemm(self._dkv_mma(self.head_dim), acc_dk, ds_op,
                    frags.q_t[None, None, None, stage], False)
 
@@ -928,6 +934,8 @@ class BwdSm90:
         wgmma.store_acc(ds_r2s, r_ds, my_ds_rows, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(Barrier.DS_READY, WARPGROUP * self.consumers).arrive_and_wait()
+        if cutlass.const_expr(self.late_dv):
+            warpgroup.wait_group(1)  # dV
         acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_cols)))
         wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
         warpgroup.wait_group(0)
@@ -941,6 +949,13 @@ class BwdSm90:
         cute.arch.fence_proxy("async.shared", space="cta")
         self._dq_barrier(Barrier.DQ_FULL + c).arrive()
         return q_consumer, do_consumer
+
+    @cute.jit
+    def _dv_gemm(self, acc_s, tiles, stage: Int32):
+        """dV += P^T dO, P^T (in acc_s) converted to 16 bits in tiles.r_p."""
+        tiles.r_p.store(acc_s.load().to(self.dtype))
+        wgmma.gemm(self._dkv_mma(self.head_dim_v), tiles.acc_dv, tiles.p_op,
+                   tiles.frags.do_t[None, None, None, stage], False)
 
     @cute.jit
     def epilogue(self, acc_dk, acc_dv, scale: Float32, gmem: Gmem, smem: Smem, walk: Walk,
