@@ -35,7 +35,8 @@
 # long-band tiles (715ff729): core 4.9 (1833) then large 0.4, features 6.1, heads 4.6
 # (388): 6.2 minutes. On 2 x H200 (2026-11-28, c486b662, backward references shared
 # between a problem's two dq modes): core 3.6 (1836), features 6.6 (505), heads 4.9
-# (388), large 0.3 (10).
+# (388), large 0.3 (10); again (b569fa9e, fifth session): core 5.7, features 7.1,
+# heads 4.1, large 0.5.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
