@@ -54,6 +54,17 @@ def grad_of_sum(attn):
     return jax.grad(lambda *a: jnp.sum(attn(*a).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
+def bwd_tile_m(dtype, d: int, *, banded: bool) -> int:
+    """Query rows per tile of the backward kernel a plain call (no softcap, no segments)
+    of this dtype, square head dim d and band runs (from the built manifest)."""
+    name = "bf16" if dtype == jnp.bfloat16 else "fp16"
+    (kernel,) = [k for k in jax_fa4.kernels()
+                 if k["kind"] == "bwd" and k["dtype"] == name and k["head_dim"] == d
+                 and k["head_dim_v"] == d and k["banded"] == banded
+                 and not k["softcap"] and not k["segments"]]
+    return kernel["tile_m"]
+
+
 def sds(*shape, dtype=jnp.bfloat16):
     return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -134,13 +145,15 @@ def test_grad_lowers_to_both_kernels(built, dtype, d, causal, deterministic, sca
     grad = grad_of_sum(attn)
     expected_scale = np.float32(d ** -0.5 if scale is None else scale)
     assert fwd_calls(grad, q, kv, kv) == [(causal, expected_scale)]
-    # dq, dk, dv, then the workspaces of 64-row query tiles and 2 consumers: lse2 and dsum
-    # (B, H, Sq_pad), dq_accum (B, H, Sq_pad * D), sem (B, H, Sq_pad / 64 * 2).
-    tiles = -(-sq // 64)
+    # dq, dk, dv, then the workspaces of the kernel's query tiles (tile_m rows) and 2
+    # consumers: lse2 and dsum (B, H, Sq_pad), dq_accum (B, H, Sq_pad * D), sem (B, H,
+    # Sq_pad / tile_m * 2).
+    tile_m = bwd_tile_m(dtype, d, banded=causal)
+    sq_pad = -(-sq // tile_m) * tile_m
     ty = "bf16" if dtype == jnp.bfloat16 else "f16"
     results = [f"2x{sq}x4x{d}x{ty}", f"2x113x4x{d}x{ty}", f"2x113x4x{d}x{ty}",
-               f"2x4x{64 * tiles}xf32", f"2x4x{64 * tiles}xf32", f"2x4x{64 * tiles * d}xf32",
-               f"2x4x{2 * tiles}xi32"]
+               f"2x4x{sq_pad}xf32", f"2x4x{sq_pad}xf32", f"2x4x{sq_pad * d}xf32",
+               f"2x4x{2 * sq_pad // tile_m}xi32"]
     assert bwd_calls(grad, q, kv, kv) == [(causal, deterministic, expected_scale, results)]
     assert bwd_calls(grad, q, kv, kv, platform="cpu") == []
 
@@ -173,7 +186,9 @@ def test_vmap_of_grad_folds_into_the_batch(built):
     stacked, kv = sds(3, 2, 17, 4, 64), sds(3, 2, 80, 4, 64)
     grad = grad_of_sum(functools.partial(jax_fa4.attention, causal=True))
     (call,) = bwd_calls(jax.vmap(grad), stacked, kv, kv)
-    assert call[3][:4] == ["6x17x4x64xbf16", "6x80x4x64xbf16", "6x80x4x64xbf16", "6x4x64xf32"]
+    sq_pad = bwd_tile_m(jnp.bfloat16, 64, banded=True)  # one query tile
+    assert call[3][:4] == ["6x17x4x64xbf16", "6x80x4x64xbf16", "6x80x4x64xbf16",
+                           f"6x4x{sq_pad}xf32"]
 
 
 def test_register_targets_once(monkeypatch):
