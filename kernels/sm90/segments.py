@@ -76,7 +76,7 @@ def mask_as_planned(masked: Int32, mask_with, runs_as_ids: cutlass.Constexpr = F
     around whole steps instead (FwdSm90). `runs_as_ids`: RUNS blocks take the ids' mask,
     tested first (the backward: see BwdSm90._mask_kq)."""
     if cutlass.const_expr(runs_as_ids):
-        if masked & 3 >= RUNS:
+        if masked & IDS >= RUNS:  # the kind's two bits: RUNS (with its split) or IDS
             mask_with(IDS, None)
         elif masked != NO_MASK:
             mask_with(RANGES, None)
@@ -108,8 +108,8 @@ def mask_block(
     block's columns, or along its rows for a transposed block S^T (`keys_along_rows`);
     `rows` is this batch's (3, Sq) view, `keys` its (Sk,) ids. `kind`: the plan's mask
     of the block (not NO_MASK). RUNS, with `runs` the plan's mask of the key block that
-    starts at key0: each row's key range cut to its id's run (the block's keys before the split have
-    its first id, the rest the id at the split)."""
+    starts at key0: each row's key range cut to its id's run (the block's keys before
+    the split have its first id, the rest the id at the split)."""
     q_mode, k_mode = (1, 0) if keys_along_rows else (0, 1)
     n_k = cute.size(s_rc, mode=[k_mode])
     by_ids, by_runs = kind == IDS, kind == RUNS
