@@ -583,6 +583,11 @@ _BWD_TILES = {
 # (FA3's and upstream FA4's without a mask; dQ^T = K^T dS^T, as 80 rows are not a
 # multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 / 0.97-1.01 /
 # 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01.
+# The d64 segment backwards on 128 rows too (ptxas spills 128 bytes; branch bwd-seg128,
+# not GPU-tested): against 64 rows (H200, 2026-11-28, alternated twice in one call),
+# eight tile-aligned documents per row, 4k / 16k: 1.06 / 1.11-1.12, causal 0.99 / 1.06,
+# deterministic 1.10-1.11 / 1.11, causal 1.02 / 1.09; six unaligned documents per 16k
+# row 0.99-1.01, causal 0.99.
 _BWD_PLAIN_TILES = {
     (64, False): BwdTile(m=128, n=128, q_stages=2),
     (64, True): BwdTile(m=128, n=128, q_stages=2),
@@ -597,7 +602,7 @@ class BwdConfig(_KernelConfig):
 
     @property
     def tile(self) -> BwdTile:
-        plain = not (self.softcap or self.segments)
+        plain = not self.softcap
         if plain and (self.head_dim, self.banded) in _BWD_PLAIN_TILES:
             return _BWD_PLAIN_TILES[(self.head_dim, self.banded)]
         return _BWD_TILES[self.head_dim]
