@@ -485,6 +485,10 @@ class BwdTile:
     # Split-head-dim tiles only: the peer's half lands in the Q ring slot the step has
     # finished with, where the pair's sum waits for the writer warps' bulk add.
     pair: bool = False
+    # The dV GEMM waits until dS is computed (P^T and dS^T both 16-bit, FA3's order) and
+    # the dQ GEMM until it is done (BwdSm90.late_dv); otherwise it is issued on P^T
+    # beside the dP^T GEMM. Tiles of more than 64 rows need it (below).
+    late_dv: bool = False
 
     @property
     def dq_parts(self) -> int:
@@ -497,7 +501,7 @@ class BwdTile:
 # d64 with m=128 (H100, 2026-11-25, alternated twice with m=64 in one call): 0.95-0.99
 # of m=64 at 512-2k (causal 0.95), 0.97-1.03 at 8k-16k: m=64 kept. Its ptxas serializes
 # the wgmma for want of registers (C7512), which m=64 does not (and, since the dV GEMM
-# is issued late, m=128 does not either: _BWD_PLAIN_TILES).
+# is issued late, m=128 does not either: _BWD_TALL_TILES).
 # Also measured then (same method, options off / on):
 # programmatic dependent launch of the main kernel and postprocess, 0.92-0.99
 # in every cell but two (d128 and d256 causal 16k, 0.97-1.02); L2 head groups for the
@@ -564,7 +568,13 @@ class BwdTile:
 # 2k / 16k 1.01 / 1.00 / 0.95-0.96, 192 / 128 2k / 16k 0.96 / 0.90.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
-    96: BwdTile(m=64, n=128, q_stages=2),
+    # The late dV GEMM against the early one (2 x H200, 2026-11-28, alternated twice in
+    # one call, 512 / 2k / 8k / 16k): d96 atomic 1.03 / 1.04 / 1.03-1.07 / 1.01-1.02,
+    # causal 1.01-1.02 / 1.04-1.05 / 1.05-1.12 / 1.01-1.02; deterministic 1.00 / 1.01-1.02
+    # / 1.03-1.04 / 1.00-1.01, causal 1.01-1.02 / 1.02 / 1.03-1.05 / 0.99-1.11. d128 lost:
+    # atomic 0.99 / 0.99 / 0.95-0.96 / 0.97-1.01, causal 0.99 / 0.98-1.00 / 0.94-1.00 /
+    # 0.87-0.92.
+    96: BwdTile(m=64, n=128, q_stages=2, late_dv=True),
     128: BwdTile(m=64, n=128, q_stages=2),
     256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
     # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB.
@@ -572,25 +582,23 @@ _BWD_TILES = {
 }
 
 
-# (head_dim, banded) of kernels without softcap or segments, on taller query tiles than
-# _BWD_TILES (their softcap and segment variants spill there: ptxas -v, d64 128 rows,
-# 128 to 688 bytes). d64 on 128-row tiles (FA3's), which ptxas no longer serializes with
-# the dV GEMM issued late (BwdSm90.late_dv), against 64 rows (2 x H200, 2026-11-28,
-# alternated twice in one call, 512 / 2k / 8k / 16k): atomic 1.09 / 1.17 / 1.12-1.16 /
-# 1.12-1.15, causal 1.04 / 1.13 / 1.22 / 1.12; deterministic 1.07 / 1.11 / 1.07-1.10 /
-# 1.12-1.15, causal 1.08-1.09 / 1.14-1.15 / 1.18 / 1.14-1.18.
+# (head_dim, banded) of kernels without softcap, on taller query tiles than _BWD_TILES
+# (their softcap variants spill there: ptxas -v, d64 128 rows, 688 bytes). d64 on
+# 128-row tiles (FA3's), which ptxas no longer serializes with the dV GEMM issued late,
+# against 64 rows (2 x H200, 2026-11-28, alternated twice in one call, 512 / 2k / 8k /
+# 16k): atomic 1.09 / 1.17 / 1.12-1.16 / 1.12-1.15, causal 1.04 / 1.13 / 1.22 / 1.12;
+# deterministic 1.07 / 1.11 / 1.07-1.10 / 1.12-1.15, causal 1.08-1.09 / 1.14-1.15 /
+# 1.18 / 1.14-1.18. Its segment variant too (ptxas spills 128 bytes in the masked
+# steps), same method, eight tile-aligned documents per row, 4k / 16k: 1.06 /
+# 1.11-1.12, causal 0.99 / 1.06, deterministic 1.10-1.11 / 1.11, causal 1.02 / 1.09;
+# six unaligned documents per 16k row 0.99-1.01, causal 0.99.
 # Measured in the same runs and not kept (branch bwd-tiles-m80): d128 on 80-row tiles
 # (FA3's and upstream FA4's without a mask; dQ^T = K^T dS^T, as 80 rows are not a
 # multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 / 0.97-1.01 /
 # 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01.
-# The d64 segment backwards on 128 rows too (ptxas spills 128 bytes; branch bwd-seg128,
-# not GPU-tested): against 64 rows (H200, 2026-11-28, alternated twice in one call),
-# eight tile-aligned documents per row, 4k / 16k: 1.06 / 1.11-1.12, causal 0.99 / 1.06,
-# deterministic 1.10-1.11 / 1.11, causal 1.02 / 1.09; six unaligned documents per 16k
-# row 0.99-1.01, causal 0.99.
-_BWD_PLAIN_TILES = {
-    (64, False): BwdTile(m=128, n=128, q_stages=2),
-    (64, True): BwdTile(m=128, n=128, q_stages=2),
+_BWD_TALL_TILES = {
+    (64, False): BwdTile(m=128, n=128, q_stages=2, late_dv=True),
+    (64, True): BwdTile(m=128, n=128, q_stages=2, late_dv=True),
 }
 
 
@@ -602,9 +610,8 @@ class BwdConfig(_KernelConfig):
 
     @property
     def tile(self) -> BwdTile:
-        plain = not self.softcap
-        if plain and (self.head_dim, self.banded) in _BWD_PLAIN_TILES:
-            return _BWD_PLAIN_TILES[(self.head_dim, self.banded)]
+        if not self.softcap and (self.head_dim, self.banded) in _BWD_TALL_TILES:
+            return _BWD_TALL_TILES[(self.head_dim, self.banded)]
         return _BWD_TILES[self.head_dim]
 
     @property

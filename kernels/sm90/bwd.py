@@ -202,9 +202,9 @@ class BwdSm90:
         self.dq_cols = self.head_dim // self.consumers
         # Taller tiles hold more than 32 fp32 values of S^T and of dP^T a thread: issued
         # on P^T alone, beside both, the dV GEMM made ptxas serialize every wgmma of the
-        # kernel (C7512; d64 with 128 rows). So there it waits until dS is computed and
-        # P^T and dS^T are 16-bit (FA3's order), and the dQ GEMM until it is done.
-        self.late_dv = self.tile_m > 64
+        # kernel (C7512; d64 with 128 rows).
+        self.late_dv = cfg.tile.late_dv
+        assert self.late_dv or self.tile_m <= 64, "taller tiles issue the dV GEMM late"
         self.dq_vals = self.tile_m * self.dq_cols // WARPGROUP  # per thread
 
     @cute.jit
