@@ -28,14 +28,15 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           two q_stages-deep rings (TMA); warps 1 and 2 add consumer 1's and 2's dQ
           partials to the fp32 accumulator with bulk reduce-adds.
    1, 2   consumers, 64 keys each. Per query tile (tile_m rows: 64, or 128 in the
-          plain d64 kernels), with S^T = K Q^T and dP^T = V dO^T so that P^T and dS^T
+          d64 kernels without softcap), with S^T = K Q^T and dP^T = V dO^T so that P^T and dS^T
           land in registers as the A operands of dV += P^T dO and dK += dS^T Q; dS^T
           also goes to shared memory, where both consumers read it for their half of
           the head dims of dQ = dS K.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
-   the plan's), then increments it: a fixed summation order.
+   the plan's), then increments it: a fixed summation order. Without a band, short
+   calls launch the K/V heads fastest, so that one head's blocks seldom wait.
    bwd_split.py's kernels (but their segment variants) run as 2-CTA pairs
    (bwd_pair.py), whose consumers hand the pair's sum of each dQ half, staged in the
    Q ring slot, to the same writer warps.
@@ -204,6 +205,7 @@ class BwdSm90:
         # on P^T alone, beside both, the dV GEMM made ptxas serialize every wgmma of the
         # kernel (C7512; d64 with 128 rows).
         self.late_dv = cfg.tile.late_dv
+        self.det_heads_fastest_blocks = cfg.det_heads_fastest_blocks
         assert self.late_dv or self.tile_m <= 64, "taller tiles issue the dV GEMM late"
         self.dq_vals = self.tile_m * self.dq_cols // WARPGROUP  # per thread
 
@@ -411,6 +413,9 @@ class BwdSm90:
             # launch dimensions must be integers.
             swap = (n_blocks - heads_kv) * deterministic
             grid = (heads_kv + swap, n_blocks - swap, k.shape[3])
+        if cutlass.const_expr(not self.banded and not self.pair):
+            swap = (heads_kv - n_blocks) * self._heads_fastest(n_blocks, deterministic)
+            grid = (n_blocks + swap, heads_kv - swap, k.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
@@ -492,7 +497,7 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, kv_head, batch = self._block_coords(deterministic)
+        n_block, kv_head, batch = self._block_coords(deterministic, tma_k)
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -732,7 +737,7 @@ class BwdSm90:
     def _dq_turn(self, m: Int32, i: Int32, run: Scalars, walk: Walk):
         """The turn of this key block (of its pair, in 2-CTA kernels) at query tile m,
         visit i of its walk."""
-        n_blocks, _, _ = cute.arch.grid_dim()  # deterministic: key blocks along x
+        n_blocks, _, _ = cute.arch.grid_dim()  # banded deterministic: key blocks along x
         block, keys = walk.n_block, self.tile_n
         if cutlass.const_expr(self.pair):
             block, n_blocks, keys = block // 2, n_blocks // 2, 2 * keys
@@ -749,11 +754,23 @@ class BwdSm90:
             m, _ = segments.visit(seg.plan_row, i)
         return m
 
+    def _heads_fastest(self, n_blocks: Int32, deterministic: Int32) -> Int32:
+        """1 where a deterministic call without a band launches its K/V heads fastest
+        (BwdConfig.det_heads_fastest_blocks), else 0: the blocks of one head then
+        start far apart and seldom wait for each other's turns. Integer arithmetic, as
+        launch dimensions must be integers."""
+        short = 1 - cutlass.min(n_blocks // (self.det_heads_fastest_blocks + 1), 1)
+        return deterministic * short
+
     @cute.jit
-    def _block_coords(self, deterministic: Int32):
+    def _block_coords(self, deterministic: Int32, tma_k: cute.Tensor):
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head, batch = x, y, z
+        if cutlass.const_expr(not self.banded and not self.pair):
+            key_blocks = cute.ceil_div(tma_k.shape[0], self.tile_n)
+            if self._heads_fastest(key_blocks, deterministic) != 0:
+                n_block, kv_head = y, x
         if cutlass.const_expr(self.banded):
             if deterministic != 0:
                 # Banded adds run from the last key block down (mask.dq_turn): launch
