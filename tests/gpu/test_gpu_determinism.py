@@ -1,7 +1,8 @@
 """Bitwise reproducibility of the deterministic backward (and of the forward) over many
 runs, beyond the causal d128 / d256 cases of test_gpu_transforms.py: no mask, a window,
 segment ids, varlen, GQA and d256 without a mask. Each case has several key blocks per
-query tile, so several CTAs add into every dq tile in the order the semaphores set.
+query tile, so several CTAs add into every dq tile in the order the semaphores set
+(up to 32 key blocks launched K/V heads first, past that key blocks first).
 At d256 and D 192 / Dv 128 the deterministic backward runs 2-CTA pairs
 (kernels/sm90/bwd_pair.py): a window, causal GQA over an odd number of key blocks (900
 keys: 15 blocks of 64, the last pair's second block past Sk) and causal 192 / 128."""
@@ -29,6 +30,8 @@ def _ids(b, s, documents=5):
 
 CASES = {
     "d128-none": dict(d=128, kwargs={}),
+    # past the bound up to which deterministic calls launch the K/V heads fastest
+    "d64-none-sk4200": dict(d=64, kwargs={}, sk=4200),
     "d128-window": dict(d=128, kwargs={"window": (300, 100)}),
     "d64-segments-causal": dict(d=64, kwargs={"causal": True}, segments=True),
     "d128-varlen-causal": dict(d=128, kwargs={"causal": True}, varlen=True),
