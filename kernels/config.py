@@ -617,9 +617,11 @@ class BwdConfig(_KernelConfig):
     # Deterministic calls without a band of at most this many key blocks launch the K/V
     # heads fastest rather than the key blocks (the atomic order): with key blocks
     # fastest, each wave starts a head's blocks together and every block waits its
-    # predecessors' turns, one more each. Heads fastest against key blocks fastest (2 x
-    # H200, 2026-11-28, alternated twice in one call, 16 heads, 512 / 2k / 8k):
-    # d64 1.12 / 1.18 / 0.98, d128 1.07 / 1.08-1.09 / 0.99-1.01.
+    # predecessors' turns, one more each. Heads fastest always against key blocks
+    # fastest (H200, 2026-11-28, two calls, alternated twice in each, 512 / 2k / 4k /
+    # 8k / 16k): d64 1.12 / 1.18 / 1.05-1.10 / 0.97-0.98 / 0.92-0.94, d128 1.07 / 1.09 /
+    # 0.98-1.02 / 0.93-1.01 / 0.95-0.96 (L2 locality lost). Up to 32 blocks: 2k 1.17 /
+    # 1.09, 4k 1.09-1.13 / 0.96-1.06, 8k and 16k 0.97-1.02.
     det_heads_fastest_blocks = 32
 
     @property
