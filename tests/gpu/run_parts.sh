@@ -36,7 +36,8 @@
 # (388): 6.2 minutes. On 2 x H200 (2026-11-28, c486b662, backward references shared
 # between a problem's two dq modes): core 3.6 (1836), features 6.6 (505), heads 4.9
 # (388), large 0.3 (10); again (b569fa9e, fifth session): core 5.7, features 7.1,
-# heads 4.1, large 0.5.
+# heads 4.1, large 0.5. On 4 x H200 with `single` (69c37c94, sixth session; an A/B
+# beside it on the fourth GPU): core 5.2 (1877) then large 0.4, features 6.0, heads 4.6.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
