@@ -28,10 +28,10 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           two q_stages-deep rings (TMA); warps 1 and 2 add consumer 1's and 2's dQ
           partials to the fp32 accumulator with bulk reduce-adds.
    1, 2   consumers, 64 keys each. Per query tile (tile_m rows: 64, or 128 in the
-          d64 kernels without softcap), with S^T = K Q^T and dP^T = V dO^T so that P^T and dS^T
-          land in registers as the A operands of dV += P^T dO and dK += dS^T Q; dS^T
-          also goes to shared memory, where both consumers read it for their half of
-          the head dims of dQ = dS K.
+          d64 kernels without softcap), with S^T = K Q^T and dP^T = V dO^T so that
+          P^T and dS^T land in registers as the A operands of dV += P^T dO and
+          dK += dS^T Q; dS^T also goes to shared memory, where both consumers read it
+          for their half of the head dims of dQ = dS K.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
