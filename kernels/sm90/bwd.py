@@ -413,9 +413,13 @@ class BwdSm90:
             # launch dimensions must be integers.
             swap = (n_blocks - heads_kv) * deterministic
             grid = (heads_kv + swap, n_blocks - swap, k.shape[3])
-        if cutlass.const_expr(not self.banded and not self.pair):
-            swap = (heads_kv - n_blocks) * self._heads_fastest(n_blocks, deterministic)
-            grid = (n_blocks + swap, heads_kv - swap, k.shape[3])
+        if cutlass.const_expr(not self.banded):
+            # pairs stay along x: (2 * K/V head + rank, pair) when heads go fastest
+            width = 2 if self.pair else 1
+            chain = n_blocks // width
+            heads_fastest = self._heads_fastest(chain, deterministic)
+            grid = (n_blocks + (width * heads_kv - n_blocks) * heads_fastest,
+                    heads_kv + (chain - heads_kv) * heads_fastest, k.shape[3])
         self.kernel(
             tma_atom_q, tma_q, tma_atom_do, tma_do, tma_atom_k, tma_k, tma_atom_v, tma_v,
             tma_atom_lse2, tma_lse2, tma_atom_dsum, tma_dsum, tma_atom_dk, tma_dk,
@@ -755,7 +759,8 @@ class BwdSm90:
         return m
 
     def _heads_fastest(self, n_blocks: Int32, deterministic: Int32) -> Int32:
-        """1 where a deterministic call without a band launches its K/V heads fastest
+        """1 where a deterministic call without a band, whose tiles see `n_blocks` key
+        blocks (pairs, in 2-CTA kernels), launches its K/V heads fastest
         (BwdConfig.det_heads_fastest_blocks), else 0: the blocks of one head then
         start far apart and seldom wait for each other's turns. Integer arithmetic, as
         launch dimensions must be integers."""
@@ -767,10 +772,14 @@ class BwdSm90:
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head, batch = x, y, z
-        if cutlass.const_expr(not self.banded and not self.pair):
+        if cutlass.const_expr(not self.banded):
             key_blocks = cute.ceil_div(tma_k.shape[0], self.tile_n)
-            if self._heads_fastest(key_blocks, deterministic) != 0:
-                n_block, kv_head = y, x
+            if cutlass.const_expr(self.pair):
+                if self._heads_fastest(cute.ceil_div(key_blocks, 2), deterministic) != 0:
+                    n_block, kv_head = 2 * y + x % 2, x // 2
+            else:
+                if self._heads_fastest(key_blocks, deterministic) != 0:
+                    n_block, kv_head = y, x
         if cutlass.const_expr(self.banded):
             if deterministic != 0:
                 # Banded adds run from the last key block down (mask.dq_turn): launch
