@@ -623,6 +623,11 @@ class BwdConfig(_KernelConfig):
     # 0.98-1.02 / 0.93-1.01 / 0.95-0.96 (L2 locality lost). Up to 32 blocks: 2k 1.17 /
     # 1.09, 4k 1.09-1.13 / 0.96-1.06, 8k and 16k 0.97-1.02.
     det_heads_fastest_blocks = 32
+    # 2-CTA pairs (d256, D 192 / Dv 128) of 64-key blocks, up to this many pairs. Heads
+    # fastest up to 32 pairs against key blocks fastest (4 x H200, 2026-11-28, alternated
+    # twice in one call beside the test suite on the other GPUs; 512 / 2k / 4k / 8k):
+    # d256 1.09 / 1.04 / 0.97-0.98 / 1.01, 192 / 128 2k / 4k / 16k 1.07 / 0.95 / 1.01.
+    det_heads_fastest_pairs = 16
 
     @property
     def pair(self) -> bool:

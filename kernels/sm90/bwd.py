@@ -206,6 +206,7 @@ class BwdSm90:
         # kernel (C7512; d64 with 128 rows).
         self.late_dv = cfg.tile.late_dv
         self.det_heads_fastest_blocks = cfg.det_heads_fastest_blocks
+        self.det_heads_fastest_pairs = cfg.det_heads_fastest_pairs
         assert self.late_dv or self.tile_m <= 64, "taller tiles issue the dV GEMM late"
         self.dq_vals = self.tile_m * self.dq_cols // WARPGROUP  # per thread
 
@@ -761,10 +762,11 @@ class BwdSm90:
     def _heads_fastest(self, n_blocks: Int32, deterministic: Int32) -> Int32:
         """1 where a deterministic call without a band, whose tiles see `n_blocks` key
         blocks (pairs, in 2-CTA kernels), launches its K/V heads fastest
-        (BwdConfig.det_heads_fastest_blocks), else 0: the blocks of one head then
+        (BwdConfig.det_heads_fastest_blocks and _pairs), else 0: the blocks of one head then
         start far apart and seldom wait for each other's turns. Integer arithmetic, as
         launch dimensions must be integers."""
-        short = 1 - cutlass.min(n_blocks // (self.det_heads_fastest_blocks + 1), 1)
+        bound = self.det_heads_fastest_pairs if self.pair else self.det_heads_fastest_blocks
+        short = 1 - cutlass.min(n_blocks // (bound + 1), 1)
         return deterministic * short
 
     @cute.jit
