@@ -627,6 +627,8 @@ class BwdConfig(_KernelConfig):
     # fastest up to 32 pairs against key blocks fastest (4 x H200, 2026-11-28, alternated
     # twice in one call beside the test suite on the other GPUs; 512 / 2k / 4k / 8k):
     # d256 1.09 / 1.04 / 0.97-0.98 / 1.01, 192 / 128 2k / 4k / 16k 1.07 / 0.95 / 1.01.
+    # Up to 16 pairs (4 x H200, 2026-11-28, GPUs 0-2 running the suite): d256 1.09 /
+    # 1.03-1.04 / 1.00-1.01 / 1.00-1.01, 192 / 128 512 / 2k / 4k 1.12 / 1.07 / 1.00-1.01.
     det_heads_fastest_pairs = 16
 
     @property
