@@ -472,7 +472,9 @@ class BwdTile:
     queries `m` rows at a time through a `q_stages`-deep ring. Two consumer warpgroups
     either take 64 keys each, or, with `split_head_dim`, share all `n` keys and take
     half of the head dims each (d256: 64 x 256 fp32 dK and dV per warpgroup would not
-    fit in registers). Either way dQ is added in two column halves (`dq_parts`)."""
+    fit in registers). Either way dQ is added in one part per consumer (`dq_parts`):
+    column halves of all `m` rows, or with `dq_by_rows` each consumer's 64 rows over
+    every head dim (one wgmma of N = D instead of m / 64 of N = D / 2)."""
 
     m: int
     n: int
@@ -489,6 +491,11 @@ class BwdTile:
     # the dQ GEMM until it is done (BwdSm90.late_dv); otherwise it is issued on P^T
     # beside the dP^T GEMM. Tiles of more than 64 rows need it (below).
     late_dv: bool = False
+    dq_by_rows: bool = False
+
+    def __post_init__(self):
+        assert not self.dq_by_rows or (self.m == 64 * self.consumers
+                                       and not self.split_head_dim)
 
     @property
     def dq_parts(self) -> int:
@@ -597,8 +604,8 @@ _BWD_TILES = {
 # multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 / 0.97-1.01 /
 # 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01.
 _BWD_TALL_TILES = {
-    (64, False): BwdTile(m=128, n=128, q_stages=2, late_dv=True),
-    (64, True): BwdTile(m=128, n=128, q_stages=2, late_dv=True),
+    (64, False): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
+    (64, True): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
 }
 
 

@@ -199,8 +199,12 @@ class BwdSm90:
         self.pair = cfg.pair
         assert not (cfg.pair and self.staged_dq), "pairs stage dQ in the Q ring (bwd_pair)"
         self.threads = WARPGROUP * (1 + self.consumers)
-        # each consumer's share of dQ: all tile_m rows x head_dim / consumers columns
-        self.dq_cols = self.head_dim // self.consumers
+        # each consumer's part of dQ: all tile_m rows x head_dim / consumers columns, or
+        # (dq_by_rows) its own 64 rows x every column
+        self.dq_by_rows = cfg.tile.dq_by_rows
+        self.dq_rows = 64 if self.dq_by_rows else self.tile_m
+        self.dq_cols = self.head_dim if self.dq_by_rows else self.head_dim // self.consumers
+        self.dq_part = self.dq_rows * self.dq_cols
         # Taller tiles hold more than 32 fp32 values of S^T and of dP^T a thread: issued
         # on P^T alone, beside both, the dV GEMM made ptxas serialize every wgmma of the
         # kernel (C7512; d64 with 128 rows).
@@ -208,7 +212,7 @@ class BwdSm90:
         self.det_heads_fastest_blocks = cfg.det_heads_fastest_blocks
         self.det_heads_fastest_pairs = cfg.det_heads_fastest_pairs
         assert self.late_dv or self.tile_m <= 64, "taller tiles issue the dV GEMM late"
-        self.dq_vals = self.tile_m * self.dq_cols // WARPGROUP  # per thread
+        self.dq_vals = self.dq_part // WARPGROUP  # per thread
 
     @cute.jit
     def __call__(
@@ -328,16 +332,16 @@ class BwdSm90:
         c = tidx // WARPGROUP
         t = tidx % WARPGROUP
         thr_dq = self._dq_mma().get_slice(t)
-        coord = thr_dq.partition_C(cute.make_identity_tensor((self.tile_m, self.dq_cols)))
-        part = self.tile_m * self.dq_cols
+        coord = thr_dq.partition_C(cute.make_identity_tensor((self.dq_rows, self.dq_cols)))
         acc = cute.local_tile(
-            mdQaccum[batch, head, None], (part,), (m_block * self.consumers + c,)
+            mdQaccum[batch, head, None], (self.dq_part,), (m_block * self.consumers + c,)
         )
+        row0, col0 = (c * self.dq_rows, 0) if self.dq_by_rows else (0, c * self.dq_cols)
         vals = cute.make_rmem_tensor((QUAD, self.dq_vals // QUAD), Float32)
         cute.autovec_copy(dq_quads(acc.iterator, self.dq_vals, t), vals)
         for i in cutlass.range_constexpr(self.dq_vals):
             val = vals[i % QUAD, i // QUAD] * scale
-            sdQ[coord[i][0], c * self.dq_cols + coord[i][1]] = val.to(self.dtype)
+            sdQ[row0 + coord[i][0], col0 + coord[i][1]] = val.to(self.dtype)
         cute.arch.sync_threads()
         per_row = d // VEC
         threads = WARPGROUP * self.consumers
@@ -366,9 +370,9 @@ class BwdSm90:
         sQ_layout = self._k_major_layout(self.tile_m, d, self.q_stages, self.col_parts)
         sdO_layout = self._k_major_layout(self.tile_m, dv, self.q_stages, self.col_parts)
         # V: A operand of dP^T. K: A operand of S^T and, transposed, the B operand of
-        # dQ = dS K where each consumer takes D / consumers columns.
+        # dQ = dS K where each consumer takes its dq_cols columns.
         sV_layout = self._k_major_layout(self.tile_n, dv, 1, self.col_parts)
-        sK_layout = self._k_major_layout(self.tile_n, d, 1, self.consumers)
+        sK_layout = self._k_major_layout(self.tile_n, d, 1, d // self.dq_cols)
         # dS as the A operand of dQ = dS K: (tile_m, tile_n), query rows contiguous, so
         # consumers store their S^T-shaped fragments rows-of-keys first. Double
         # buffered: a consumer may write the next tile's dS^T while the other still
@@ -667,8 +671,8 @@ class BwdSm90:
 
     def _staged_dq(self, storage):
         """Where the consumers stage their dQ partials: the sdQ buffer, consumer c's at
-        c * tile_m * dq_cols; in a pair, the Q ring as fp32, consumer c's half-part of
-        stage `stage` at (stage * consumers + c) * tile_m * dq_cols / 2 (bwd_pair)."""
+        c * dq_part; in a pair, the Q ring as fp32, consumer c's half-part of stage
+        `stage` at (stage * consumers + c) * dq_part / 2 (bwd_pair)."""
         if cutlass.const_expr(self.pair):
             return cute.recast_ptr(storage.sQ.data_ptr(), dtype=Float32)
         return storage.sdQ.data_ptr()
@@ -685,7 +689,7 @@ class BwdSm90:
         mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
         heads, batch, seg = walk.heads, walk.batch, walk.seg
         m_begin, m_end = walk.m_begin, walk.m_end
-        part = self.tile_m * self.dq_cols
+        part = self.dq_part
         added, adders, first = part, 1, 0
         if cutlass.const_expr(self.pair):
             # both CTAs take the pair's turn: it passes on after two increments
@@ -876,9 +880,10 @@ class BwdSm90:
             do=thr_sdp.make_fragment_B(thr_sdp.partition_B(sdO)),
             do_t=thr_dv.make_fragment_B(thr_dv.partition_B(wgmma.transposed(sdO))),
             q_t=thr_dk.make_fragment_B(thr_dk.partition_B(wgmma.transposed(sQ))),
-            ds=thr_dq.make_fragment_A(thr_dq.partition_A(sdS)),
+            ds=thr_dq.make_fragment_A(thr_dq.partition_A(self._dq_rows_of(sdS, c))),
             k_t=thr_dq.make_fragment_B(thr_dq.partition_B(cute.local_tile(
-                wgmma.transposed(sK[None, None, 0]), (self.dq_cols, self.tile_n), (c, 0)))),
+                wgmma.transposed(sK[None, None, 0]), (self.dq_cols, self.tile_n),
+                (0 if self.dq_by_rows else c, 0)))),
         )
         sdS_t = wgmma.transposed(sdS)  # (tile_n keys, tile_m queries, stages)
         acc_dv = thr_dv.make_fragment_C(thr_dv.partition_shape_C((KEYS_PER_CONSUMER, dv)))
@@ -893,7 +898,7 @@ class BwdSm90:
         p_op = cute.make_tensor(r_p.iterator, acc_as_operand_a(r_p.layout))
         ds_op = cute.make_tensor(r_ds.iterator, acc_as_operand_a(r_ds.layout))
         ds_r2s = wgmma.acc_store_copy(self._sdp_mma(), self.dtype)
-        sdQ_c = dq_quads(sdQ_ptr + c * tm * self.dq_cols, self.dq_vals, tidx)
+        sdQ_c = dq_quads(sdQ_ptr + c * self.dq_part, self.dq_vals, tidx)
         key0 = walk.n_block * self.tile_n + c * KEYS_PER_CONSUMER
         return _Tiles(
             frags=frags, s_shape=s_shape, coord_s=coord_s, r_p=r_p, r_ds=r_ds, p_op=p_op,
@@ -965,7 +970,7 @@ class BwdSm90:
         pipeline.NamedBarrier(Barrier.DS_READY, WARPGROUP * self.consumers).arrive_and_wait()
         if cutlass.const_expr(self.late_dv):
             warpgroup.wait_group(1)  # dV
-        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.tile_m, self.dq_cols)))
+        acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.dq_rows, self.dq_cols)))
         wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
         warpgroup.wait_group(0)
         q_handle.release()
@@ -1040,9 +1045,17 @@ class BwdSm90:
             (1, 1, 1), (KEYS_PER_CONSUMER, width), warpgroup.OperandSource.RMEM,
         )
 
+    def _dq_rows_of(self, sdS, c):
+        """The (rows, tile_n, stages) dS that consumer c's dQ GEMM reads: every row, or
+        (dq_by_rows) its own 64."""
+        if cutlass.const_expr(not self.dq_by_rows):
+            return sdS
+        return cute.local_tile(sdS, (self.dq_rows, self.tile_n, cute.size(sdS, mode=[2])),
+                               (c, 0, 0))
+
     def _dq_mma(self):
-        """dQ = dS K: (tile_m, D / consumers), 64 rows per wgmma (a 128-row tile takes
-        two); dS and K^T both MN-major in shared memory."""
+        """dQ = dS K: (dq_rows, dq_cols), 64 rows per wgmma (a 128-row tile split by
+        columns takes two); dS and K^T both MN-major in shared memory."""
         mn_major = OperandMajorMode.MN
         return sm90_utils.make_trivial_tiled_mma(
             self.dtype, self.dtype, mn_major, mn_major, Float32, (1, 1, 1),

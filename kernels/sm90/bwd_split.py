@@ -241,7 +241,7 @@ class BwdSm90SplitD(BwdSm90):
         mdQaccum, mSem, deterministic = gmem.mdQaccum, gmem.mSem, run.deterministic
         batch = walk.batch
         slot = m * self.consumers + c
-        part = self.tile_m * self.dq_cols
+        part = self.dq_part
         dst = dq_quads(mdQaccum[batch, head, None].iterator + slot * part, self.dq_vals, tidx)
         flag = mSem[batch, head, None].iterator + slot
         turn_barrier = pipeline.NamedBarrier(Barrier.DQ_TURN + c, WARPGROUP)
