@@ -961,19 +961,17 @@ class BwdSm90:
         r_ds.store(acc_dp.load().to(self.dtype))
         if cutlass.const_expr(self.late_dv):
             self._dv_gemm(acc_s, tiles, stage)
-        wgmma.gemm(self._dkv_mma(self.head_dim), acc_dk, ds_op,
-                   frags.q_t[None, None, None, stage], False)
 
         my_ds_rows = cute.local_tile(sdS_t[None, None, stage], (KEYS_PER_CONSUMER, self.tile_m), (c, 0))
         wgmma.store_acc(ds_r2s, r_ds, my_ds_rows, tidx)
         cute.arch.fence_proxy("async.shared", space="cta")
         pipeline.NamedBarrier(Barrier.DS_READY, WARPGROUP * self.consumers).arrive_and_wait()
-        if cutlass.const_expr(self.late_dv):
-            warpgroup.wait_group(1)  # dV
         acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.dq_rows, self.dq_cols)))
         wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
-        warpgroup.wait_group(0)
-        q_handle.release()
+        # dK last: it runs on while the dQ partial is staged.
+        wgmma.gemm(self._dkv_mma(self.head_dim), acc_dk, ds_op,
+                   frags.q_t[None, None, None, stage], False)
+        warpgroup.wait_group(1)  # dV and dQ
         do_handle.release()
 
         # Stage the dQ partial for the writer warp, in quads (module docstring).
@@ -982,6 +980,8 @@ class BwdSm90:
         cute.autovec_copy(acc_quads(acc_dq, self.dq_vals), sdQ_c)
         cute.arch.fence_proxy("async.shared", space="cta")
         self._dq_barrier(Barrier.DQ_FULL + c).arrive()
+        warpgroup.wait_group(0)  # dK
+        q_handle.release()
         return q_consumer, do_consumer
 
     @cute.jit
