@@ -149,7 +149,7 @@ struct Kernel {
   int tile_m;
   int tile_n;
   int ctas_per_sm;  // CTAs resident on one SM (kernels/config.py Tile)
-  int dq_parts;  // backward: column parts of dQ, one semaphore each per query tile; fwd: 0
+  int dq_parts;  // backward: parts of a dQ tile (one per consumer), a semaphore each; fwd: 0
   cudaError_t (*init)();  // loads the module's library (context-free, once per process)
   cudaError_t (*load)(int32_t device);  // readies its kernels for `device`, after init
   int32_t (*launch)(const Args&, cudaStream_t);

@@ -234,7 +234,9 @@ _TILES = {
 #   ping-pong on in this d64 tile, causal 512 / 1k / 2k 0.97 / 0.97-0.98 / 0.99-1.00;
 #   Q in registers (Tile.q_registers) here at d64 and d128 and in _TILES[(128, False)]:
 #   d64 causal 512 / 2k / 8k 0.96-0.99 / 1.03-1.04 / 0.99-1.00, without a mask
-#   0.96-0.97 / 1.00-1.01 / 1.00; d128 0.98-1.02 throughout.
+#   0.96-0.97 / 1.00-1.01 / 1.00; d128 0.98-1.02 throughout. Three K/V stages in the
+#   d64 tile (H200, 2026-11-28, alternated twice in one call), causal 512 / 1k / 2k /
+#   8k: 1.01-1.02 / 1.00 / 1.00 / 1.00; not kept.
 # float8: fp8 wgmma takes 32 keys per k-step, so blocks are multiples of 32 keys;
 # consumers with ping-pong, two (d128 without a mask: three, below). Shared memory (1
 # byte a value): d128 Q 16 + K 2 x 16 + V 2 x 16 = 80 KB (three consumers with 96-key
@@ -487,10 +489,12 @@ class BwdTile:
     # Split-head-dim tiles only: the peer's half lands in the Q ring slot the step has
     # finished with, where the pair's sum waits for the writer warps' bulk add.
     pair: bool = False
-    # The dV GEMM waits until dS is computed (P^T and dS^T both 16-bit, FA3's order) and
-    # the dQ GEMM until it is done (BwdSm90.late_dv); otherwise it is issued on P^T
-    # beside the dP^T GEMM. Tiles of more than 64 rows need it (below).
+    # The dV GEMM waits until dS is computed (P^T and dS^T both 16-bit, FA3's order;
+    # BwdSm90.late_dv); otherwise it is issued on P^T beside the dP^T GEMM. Tiles of
+    # more than 64 rows need it (below).
     late_dv: bool = False
+    # Each consumer's dQ part is its 64 rows over every head dim (tiles of 64 rows a
+    # consumer, not split by head dims), not all rows over half of them (below).
     dq_by_rows: bool = False
 
     def __post_init__(self):
@@ -599,6 +603,14 @@ _BWD_TILES = {
 # steps), same method, eight tile-aligned documents per row, 4k / 16k: 1.06 /
 # 1.11-1.12, causal 0.99 / 1.06, deterministic 1.10-1.11 / 1.11, causal 1.02 / 1.09;
 # six unaligned documents per 16k row 0.99-1.01, causal 0.99.
+# dQ by rows on these tiles (one wgmma of N = 64 a consumer where two of N = 32 read dS
+# twice), against dQ by column halves (4 x H200, 2026-11-28, alternated twice in one
+# call, 2k / 8k / 16k): atomic 1.07 / 1.06-1.15 / 1.09-1.10, causal 1.05 / 1.02-1.17 /
+# 1.03-1.06; deterministic 1.06-1.07 / 1.01-1.04 / 1.08-1.10, causal 1.05 / 0.96-0.99 /
+# 1.06-1.07. With the dK GEMM after the dQ GEMM on top (bwd.py _step; every 1-CTA
+# kernel), against neither: atomic 1.07-1.08 / 1.06-1.10 / 1.09-1.11, causal 1.11 /
+# 1.04-1.23 / 1.08-1.12; deterministic 1.07-1.08 / 1.03-1.05 / 1.08-1.10, causal
+# 1.09-1.10 / 1.14 / 1.12.
 # Measured in the same runs and not kept (branch bwd-tiles-m80): d128 on 80-row tiles
 # (FA3's and upstream FA4's without a mask; dQ^T = K^T dS^T, as 80 rows are not a
 # multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 / 0.97-1.01 /

@@ -31,7 +31,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           d64 kernels without softcap), with S^T = K Q^T and dP^T = V dO^T so that
           P^T and dS^T land in registers as the A operands of dV += P^T dO and
           dK += dS^T Q; dS^T also goes to shared memory, where both consumers read it
-          for their half of the head dims of dQ = dS K.
+          for their part of dQ = dS K: half of the head dims, or in 128-row tiles
+          their 64 rows (BwdTile.dq_by_rows). The dK GEMM is issued after the dQ
+          GEMM, so that it runs while the dQ partial is staged.
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
@@ -968,7 +970,10 @@ class BwdSm90:
         pipeline.NamedBarrier(Barrier.DS_READY, WARPGROUP * self.consumers).arrive_and_wait()
         acc_dq = thr_dq.make_fragment_C(thr_dq.partition_shape_C((self.dq_rows, self.dq_cols)))
         wgmma.gemm(self._dq_mma(), acc_dq, frags.ds[None, None, None, stage], frags.k_t, True)
-        # dK last: it runs on while the dQ partial is staged.
+        # dK last: it runs on while the dQ partial is staged. Against dK before the dS
+        # store (4 x H200, 2026-11-28, alternated twice in one call; 2k / 8k): d128
+        # 1.02 / 1.07, causal 1.03-1.04 / 0.94-1.06; d96 1.01-1.03 / 0.95-1.04, causal
+        # 1.04 / 1.03-1.11; d64: kernels/config.py above _BWD_TALL_TILES.
         wgmma.gemm(self._dkv_mma(self.head_dim), acc_dk, ds_op,
                    frags.q_t[None, None, None, stage], False)
         warpgroup.wait_group(1)  # dV and dQ

@@ -37,7 +37,9 @@
 # between a problem's two dq modes): core 3.6 (1836), features 6.6 (505), heads 4.9
 # (388), large 0.3 (10); again (b569fa9e, fifth session): core 5.7, features 7.1,
 # heads 4.1, large 0.5. On 4 x H200 with `single` (69c37c94, sixth session; an A/B
-# beside it on the fourth GPU): core 5.2 (1877) then large 0.4, features 6.0, heads 4.6.
+# beside it on the fourth GPU): core 5.2 (1877) then large 0.4, features 6.0, heads 4.6;
+# seventh session, the same way (3ddb0e00, the backward beside cuDNN on the fourth):
+# core 5.9 then large 0.4, features 6.8, heads 5.3.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
