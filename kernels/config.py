@@ -611,10 +611,12 @@ _BWD_TILES = {
 # kernel), against neither: atomic 1.07-1.08 / 1.06-1.10 / 1.09-1.11, causal 1.11 /
 # 1.04-1.23 / 1.08-1.12; deterministic 1.07-1.08 / 1.03-1.05 / 1.08-1.10, causal
 # 1.09-1.10 / 1.14 / 1.12.
-# Measured in the same runs and not kept (branch bwd-tiles-m80): d128 on 80-row tiles
-# (FA3's and upstream FA4's without a mask; dQ^T = K^T dS^T, as 80 rows are not a
-# multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 / 0.97-1.01 /
-# 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01.
+# Measured in the runs of the 128-row tiles and not kept (branch bwd-tiles-m80): d128 on
+# 80-row tiles (FA3's and upstream FA4's without a mask; dQ^T = K^T dS^T, as 80 rows are
+# not a multiple of wgmma's M; dV late, ptxas spills 8 bytes): atomic 0.96 / 1.02 /
+# 0.97-1.01 / 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01. With the dK GEMM
+# last, ptxas serializes that kernel's wgmma (C7512); with dK first it is the kernel
+# measured here, so it was not built again.
 _BWD_TALL_TILES = {
     (64, False): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
     (64, True): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
