@@ -651,6 +651,9 @@ class BwdConfig(_KernelConfig):
     # Up to 16 pairs (4 x H200, 2026-11-28, GPUs 0-2 running the suite): d256 1.09 /
     # 1.03-1.04 / 1.00-1.01 / 1.00-1.01, 192 / 128 512 / 2k / 4k 1.12 / 1.07 / 1.00-1.01.
     det_heads_fastest_pairs = 16
+    # Atomic banded calls (1-CTA) of at most this many key blocks launch the K/V heads
+    # fastest, every head's longest blocks first; longer ones launch key blocks fastest.
+    banded_heads_fastest_blocks = 16
 
     @property
     def pair(self) -> bool:
