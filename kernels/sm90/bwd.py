@@ -39,6 +39,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order. Without a band, short
    calls launch the K/V heads fastest, so that one head's blocks seldom wait.
+   Atomic banded calls launch the K/V heads fastest (every head's longest blocks
+   first) up to BwdConfig.banded_heads_fastest_blocks, key blocks fastest past it (one
+   head's Q and dO stay in L2).
    bwd_split.py's kernels (but their segment variants) run as 2-CTA pairs
    (bwd_pair.py), whose consumers hand the pair's sum of each dQ half, staged in the
    Q ring slot, to the same writer warps.
