@@ -651,6 +651,14 @@ class BwdConfig(_KernelConfig):
     # Up to 16 pairs (4 x H200, 2026-11-28, GPUs 0-2 running the suite): d256 1.09 /
     # 1.03-1.04 / 1.00-1.01 / 1.00-1.01, 192 / 128 512 / 2k / 4k 1.12 / 1.07 / 1.00-1.01.
     det_heads_fastest_pairs = 16
+    # Atomic banded calls (1-CTA) of at most this many key blocks launch the K/V heads
+    # fastest, every head's longest blocks first; longer ones launch key blocks fastest,
+    # one head's blocks together, so that its Q and dO stay in L2 (every head at once
+    # would not fit). Key blocks fastest past 16 blocks against heads fastest always
+    # (H200, 2026-11-28, alternated twice in one call, causal 4k / 8k / 16k): d64
+    # 0.95 / 0.93-1.02 / 1.03-1.04, d128 0.97 / 0.91-0.98 / 0.95-1.05; at 16k again
+    # (second call): d64 1.03, d128 1.02-1.17, d96 0.99-1.01.
+    banded_heads_fastest_blocks = 64
 
     @property
     def pair(self) -> bool:

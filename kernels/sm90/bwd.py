@@ -39,6 +39,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    descending in banded kernels, with the grid launched in that order; segment variants:
    the plan's), then increments it: a fixed summation order. Without a band, short
    calls launch the K/V heads fastest, so that one head's blocks seldom wait.
+   Atomic banded calls launch the K/V heads fastest (every head's longest blocks
+   first) up to BwdConfig.banded_heads_fastest_blocks, key blocks fastest past it (one
+   head's Q and dO stay in L2).
    bwd_split.py's kernels (but their segment variants) run as 2-CTA pairs
    (bwd_pair.py), whose consumers hand the pair's sum of each dQ half, staged in the
    Q ring slot, to the same writer warps.
@@ -213,6 +216,7 @@ class BwdSm90:
         self.late_dv = cfg.tile.late_dv
         self.det_heads_fastest_blocks = cfg.det_heads_fastest_blocks
         self.det_heads_fastest_pairs = cfg.det_heads_fastest_pairs
+        self.banded_heads_fastest_blocks = cfg.banded_heads_fastest_blocks
         assert self.late_dv or self.tile_m <= 64, "taller tiles issue the dV GEMM late"
         self.dq_vals = self.dq_part // WARPGROUP  # per thread
 
@@ -413,12 +417,15 @@ class BwdSm90:
         grid = (n_blocks, heads_kv, k.shape[3])
         if cutlass.const_expr(self.banded and not self.pair):
             # Key block 0 has the most query tiles. With atomic adds the K/V heads vary
-            # fastest, so the longest CTAs of every head launch first (with GQA a CTA
-            # walks its whole group: few, long CTAs). Deterministic adds keep key blocks
-            # fastest (_block_coords): each tile's adders must be in flight together.
+            # fastest up to a bound, so the longest CTAs of every head launch first (with
+            # GQA a CTA walks its whole group: few, long CTAs). Deterministic adds keep
+            # key blocks fastest (_block_coords): each tile's adders must be in flight
+            # together.
             # deterministic is 0 or 1 (the FFI passes a bool): pick by arithmetic, as
             # launch dimensions must be integers.
-            swap = (n_blocks - heads_kv) * deterministic
+            # Long atomic calls keep key blocks fastest too (_banded_heads_fastest).
+            blocks_fastest = 1 - (1 - deterministic) * self._banded_heads_fastest(n_blocks)
+            swap = (n_blocks - heads_kv) * blocks_fastest
             grid = (heads_kv + swap, n_blocks - swap, k.shape[3])
         if cutlass.const_expr(not self.banded):
             # pairs stay along x: (2 * K/V head + rank, pair) when heads go fastest
@@ -775,13 +782,20 @@ class BwdSm90:
         short = 1 - cutlass.min(n_blocks // (bound + 1), 1)
         return deterministic * short
 
+    def _banded_heads_fastest(self, n_blocks: Int32) -> Int32:
+        """1 where an atomic banded call of `n_blocks` key blocks launches its K/V heads
+        fastest (BwdConfig.banded_heads_fastest_blocks), else 0: past the bound one
+        head's blocks run together, longest first, and share its Q and dO in L2, which
+        every head's blocks at once would not fit."""
+        return 1 - cutlass.min(n_blocks // (self.banded_heads_fastest_blocks + 1), 1)
+
     @cute.jit
     def _block_coords(self, deterministic: Int32, tma_k: cute.Tensor):
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head, batch = x, y, z
+        key_blocks = cute.ceil_div(tma_k.shape[0], self.tile_n)
         if cutlass.const_expr(not self.banded):
-            key_blocks = cute.ceil_div(tma_k.shape[0], self.tile_n)
             if cutlass.const_expr(self.pair):
                 if self._heads_fastest(cute.ceil_div(key_blocks, 2), deterministic) != 0:
                     n_block, kv_head = 2 * y + x % 2, x // 2
@@ -796,7 +810,8 @@ class BwdSm90:
                 n_block = n_blocks - 1 - x
             else:
                 if cutlass.const_expr(not self.pair):  # pairs keep key blocks along x
-                    n_block, kv_head = y, x
+                    if self._banded_heads_fastest(key_blocks) != 0:
+                        n_block, kv_head = y, x
         return n_block, kv_head, batch
 
     @cute.jit

@@ -27,10 +27,11 @@ HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))
 CAUSAL = (False, True)
 # Odd sizes around the tiles (64 query rows, 128 keys), Sq < Sk and Sq > Sk (causal rows
 # that see no key), several key blocks per query tile and query tiles per key block;
-# 33 key blocks of 128, past the deterministic launch's heads-fastest bound
-# (BwdConfig.det_heads_fastest_blocks), so its other order runs too.
+# 65 key blocks of 128, past the heads-fastest bounds of the deterministic and the
+# banded atomic launch (BwdConfig.det_heads_fastest_blocks, banded_heads_fastest_blocks),
+# so their other orders run too.
 SEQLENS = ((1, 1), (1, 239), (17, 113), (113, 203), (128, 128), (129, 1000), (239, 1),
-           (799, 3), (1000, 1000), (65, 4200))
+           (799, 3), (1000, 1000), (65, 8300))
 DETERMINISTIC = (False, True)
 # With one query row every dk and dv element is a single product (dS_j q, P_j dO) and dq
 # is one row per head: the errors of kernel and baseline are both a rounding or two of
