@@ -577,6 +577,10 @@ class BwdTile:
 # banded pairs launched with the K/V heads fastest (x = 2 * K/V head + rank, y = the
 # pair: every head's longest pairs first, as the 1-CTA launch does), causal d256 512 /
 # 2k / 16k 1.01 / 1.00 / 0.95-0.96, 192 / 128 2k / 16k 0.96 / 0.90.
+# The writer passing a tile's turn one tile late (waiting for its adds to complete
+# behind the next tile's turn and copy; branch det-deferred-flag), against the writer
+# above (H200, 2026-11-28, alternated twice in one call), deterministic d256 2k / 8k /
+# 16k: 0.97 / 0.99 / 0.96-0.97, causal 0.98 / 0.97 / 0.97. Not kept.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     # The late dV GEMM against the early one (2 x H200, 2026-11-28, alternated twice in
@@ -617,6 +621,13 @@ _BWD_TILES = {
 # 0.97-1.01 / 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01. With the dK GEMM
 # last, ptxas serializes that kernel's wgmma (C7512); with dK first it is the kernel
 # measured here, so it was not built again.
+# Also measured and not kept (branch bwd-deferred-q-release; H200, 2026-11-28,
+# alternated twice in one call, 2k / 16k): the dK GEMM reading dS^T from shared memory
+# (where the dQ GEMM reads it) and waited for in the next tile, after that tile's first
+# GEMMs are issued, so that it runs on across the tile boundary (with dS^T in
+# registers ptxas serializes the wgmma for want of them, C7512): d64 0.97-0.99 / 0.97-0.99,
+# causal 0.91-0.93 / 0.93-0.94; d96 0.96-0.98 / 0.97-0.98, causal 0.96 / 0.96-0.98; d128
+# 0.98-0.99 / 0.97-0.98, causal 0.96 / 0.94-0.98.
 _BWD_TALL_TILES = {
     (64, False): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
     (64, True): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
