@@ -625,8 +625,8 @@ _BWD_TILES = {
 # alternated twice in one call, 2k / 16k): the dK GEMM reading dS^T from shared memory
 # (where the dQ GEMM reads it) and waited for in the next tile, after that tile's first
 # GEMMs are issued, so that it runs on across the tile boundary (with dS^T in
-# registers ptxas serializes the wgmma for want of them, C7512): d64 0.97-0.99 / 0.97-0.99,
-# causal 0.91-0.93 / 0.93-0.94; d96 0.96-0.98 / 0.97-0.98, causal 0.96 / 0.96-0.98; d128
+# registers ptxas serializes the wgmma for want of them, C7512): d64 0.97 / 0.97-0.99,
+# causal 0.91-0.93 / 0.93-0.94; d96 0.97-0.98 / 0.97-0.98, causal 0.96 / 0.96-0.98; d128
 # 0.98-0.99 / 0.97-0.98, causal 0.96 / 0.94-0.98.
 _BWD_TALL_TILES = {
     (64, False): BwdTile(m=128, n=128, q_stages=2, late_dv=True, dq_by_rows=True),
