@@ -668,7 +668,11 @@ class BwdConfig(_KernelConfig):
     # would not fit). Key blocks fastest past 16 blocks against heads fastest always
     # (H200, 2026-11-28, alternated twice in one call, causal 4k / 8k / 16k): d64
     # 0.95 / 0.93-1.02 / 1.03-1.04, d128 0.97 / 0.91-0.98 / 0.95-1.05; at 16k again
-    # (second call): d64 1.03, d128 1.02-1.17, d96 0.99-1.01.
+    # (second call): d64 1.03, d128 1.02-1.17, d96 0.99-1.01. Past 16 blocks in groups
+    # of K/V heads whose Q and dO fit in 32 MB (kernels/tile_order.py; branch
+    # bwd-banded-l2-groups) against this order (third call, 4k / 8k / 16k): d64
+    # 0.98-1.00 / 1.02-1.14 / 0.87-0.99, d128 0.99 / 0.94-1.07 / 0.94-0.99: within that
+    # call's noise, not kept.
     banded_heads_fastest_blocks = 64
 
     @property
