@@ -417,13 +417,12 @@ class BwdSm90:
         grid = (n_blocks, heads_kv, k.shape[3])
         if cutlass.const_expr(self.banded and not self.pair):
             # Key block 0 has the most query tiles. With atomic adds the K/V heads vary
-            # fastest up to a bound, so the longest CTAs of every head launch first (with
-            # GQA a CTA walks its whole group: few, long CTAs). Deterministic adds keep
-            # key blocks fastest (_block_coords): each tile's adders must be in flight
-            # together.
+            # fastest up to a bound (_banded_heads_fastest), so the longest CTAs of every
+            # head launch first (with GQA a CTA walks its whole group: few, long CTAs).
+            # Deterministic adds keep key blocks fastest (_block_coords): each tile's
+            # adders must be in flight together.
             # deterministic is 0 or 1 (the FFI passes a bool): pick by arithmetic, as
             # launch dimensions must be integers.
-            # Long atomic calls keep key blocks fastest too (_banded_heads_fastest).
             blocks_fastest = 1 - (1 - deterministic) * self._banded_heads_fastest(n_blocks)
             swap = (n_blocks - heads_kv) * blocks_fastest
             grid = (heads_kv + swap, n_blocks - swap, k.shape[3])
@@ -776,18 +775,16 @@ class BwdSm90:
         """1 where a deterministic call without a band, whose tiles see `n_blocks` key
         blocks (pairs, in 2-CTA kernels), launches its K/V heads fastest
         (BwdConfig.det_heads_fastest_blocks and _pairs), else 0: the blocks of one head then
-        start far apart and seldom wait for each other's turns. Integer arithmetic, as
-        launch dimensions must be integers."""
+        start far apart and seldom wait for each other's turns."""
         bound = self.det_heads_fastest_pairs if self.pair else self.det_heads_fastest_blocks
-        short = 1 - cutlass.min(n_blocks // (bound + 1), 1)
-        return deterministic * short
+        return deterministic * _at_most(n_blocks, bound)
 
     def _banded_heads_fastest(self, n_blocks: Int32) -> Int32:
         """1 where an atomic banded call of `n_blocks` key blocks launches its K/V heads
         fastest (BwdConfig.banded_heads_fastest_blocks), else 0: past the bound one
         head's blocks run together, longest first, and share its Q and dO in L2, which
         every head's blocks at once would not fit."""
-        return 1 - cutlass.min(n_blocks // (self.banded_heads_fastest_blocks + 1), 1)
+        return _at_most(n_blocks, self.banded_heads_fastest_blocks)
 
     @cute.jit
     def _block_coords(self, deterministic: Int32, tma_k: cute.Tensor):
@@ -1090,6 +1087,12 @@ class _Tiles:
 
     def __init__(self, **views):
         self.__dict__.update(views)
+
+
+def _at_most(n, bound: int):
+    """1 where n <= bound, else 0, for n >= 0: integer arithmetic, as launch dimensions
+    must be integers."""
+    return 1 - cutlass.min(n // (bound + 1), 1)
 
 
 def _bulk_reduce_add_f32(dst, src, num_bytes: int):
