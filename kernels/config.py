@@ -581,6 +581,20 @@ class BwdTile:
 # behind the next tile's turn and copy; branch det-deferred-flag), against the writer
 # above (H200, 2026-11-28, alternated twice in one call), deterministic d256 2k / 8k /
 # 16k: 0.97 / 0.99 / 0.96-0.97, causal 0.98 / 0.97 / 0.97. Not kept.
+# 2-CTA pairs on the tiles split by keys (d64 tall, d96, d128; branch bwd-pair-sdq): the
+# peer's dQ half-part lands in sdQ, which shrinks to half-parts, and the writer warp
+# frees it once its bulk add has read the pair's sum (ptxas: no spills at d64, where
+# the 1-CTA kernel spills 12 bytes). Correct (the backward and determinism tests at d64,
+# d96 and d128: 246 passed), and slower in almost every cell against these tiles 1-CTA
+# (H200, 2026-11-29, alternated twice in one call, 2k / 8k / 16k): d64 0.95 /
+# 0.91-1.00 / 0.96-0.98, causal 0.86 / 0.94-0.97 / 0.93-0.95; d128 0.95 / 0.93 /
+# 0.97-0.98, causal 0.87 / 0.93-0.97 / 0.95-1.02; deterministic d64 0.96 / 1.01-1.04 /
+# 0.98, causal 0.86-0.88 / 0.88-0.91 / 0.93-0.96; d128 0.98 / 0.93-1.03 / 0.97-0.98,
+# causal 0.89-0.91 / 0.88-0.97 / 0.98-1.07. At these head dims the global adds were
+# never the bound (ceiling of skipping them all 1.00-1.10, above), and the pair's
+# exchange and lock-step walk (the union of both blocks' query tiles: causal pairs run
+# one or two masked tiles more per block, launched key blocks fastest) cost more than
+# half the adds save. Not kept.
 _BWD_TILES = {
     64: BwdTile(m=64, n=128, q_stages=2),
     # The late dV GEMM against the early one (2 x H200, 2026-11-28, alternated twice in
