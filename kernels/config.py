@@ -69,7 +69,9 @@ class Tile:
     `ctas_per_sm`: CTAs resident on one SM (consumer_regs), so that a second CTA's loads
     run while one computes; shared memory must hold them all. `q_registers`: Q is
     loaded once into registers as the A operand of Q K^T, which then reads only K from
-    shared memory (16-bit q only)."""
+    shared memory (16-bit q only). `defer_o_read` (persistent, q_stages >= 2): a
+    tile's O store, staged in its Q buffer, is waited for (and the buffer freed) in the
+    CTA's next tile, once that tile's first GEMM is issued, not at the tile's end."""
 
     m: int
     n: int
@@ -80,6 +82,7 @@ class Tile:
     q_stages: int = 1
     ctas_per_sm: int = 1
     q_registers: bool = False
+    defer_o_read: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -305,6 +308,13 @@ _LONG_BAND = {head_dim: dataclasses.replace(_DYNAMIC_BANDED[head_dim], m=192)
 # kernel lost (causal 512 / 2k / 8k 0.89 / 1.01 / 1.00), and at d128 (64-key blocks, so
 # that two fit) 0.78-0.95 plain and 0.79-0.85 on documents.
 _SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm=2)}
+# The O store's read waited for in the next tile (Tile.defer_o_read), in every
+# persistent tile of two Q stages, against waiting at the tile's end (H200, 2026-11-28,
+# alternated twice in one call; 512 / 2k): d64 causal 1.027-1.029, d128 causal
+# 0.995-0.999, d64 without a mask (the static 192-row ping-pong tile) 0.93-0.94, d128
+# without a mask 0.97-0.99. So d64's dynamic banded tile alone (not _LONG_BAND's or
+# _SEGMENT_TILES', derived from it above) takes it.
+_DYNAMIC_BANDED[64] = dataclasses.replace(_DYNAMIC_BANDED[64], defer_o_read=True)
 
 
 @dataclasses.dataclass(frozen=True)

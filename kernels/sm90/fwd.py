@@ -49,7 +49,9 @@ Warpgroup roles:
   Epilogue: O / rowsum -> registers -> shared memory (the consumer's own Q buffer)
          -> TMA store, which clips the rows past Sq; LSE is written by row owners.
          Split variants store their fp32 O from registers, rows past Sq skipped. The
-         Q stage is released once the store has read it.
+         Q stage is released once the store has read it: at the tile's end, or with
+         the tile's `defer_o_read` in the CTA's next tile, once its first GEMM is
+         issued (_free_previous_q).
 The roles get what they share in holders, as in bwd.py: Gmem (TMA atoms and tensors,
 mLSE), Scalars (the launch's runtime values) and Smem (the shared-memory views), built
 once in `kernel`, and per tile a Walk (its query tile, head, batch and key blocks).
@@ -234,6 +236,9 @@ class FwdSm90:
         self.consumer_regs = consumer_regs(self.consumers, self.ctas_per_sm)
         self.q_registers = cfg.tile.q_registers
         assert not (self.q_registers and self.fp8)
+        self.defer_o_read = cfg.tile.defer_o_read
+        # the next tile's Q needs a stage of its own; O is staged only through TMA
+        assert not self.defer_o_read or (self.q_stages >= 2 and not (self.split or self.fp8))
         # Paged variants (one tile per CTA) load V from a second producer warp: their
         # key blocks are many small TMA copies (16-key pieces), whose coordinates kept
         # one warp issuing late (ncu: 5x the dense producer's instructions, consumers
@@ -507,11 +512,13 @@ class FwdSm90:
             if cutlass.const_expr(self.schedule == "dynamic"):
                 order = schedule.pairs_per_group(grid, seqlen_k, self._key_bytes())
                 tile_consumer, t = _receive(tile_consumer, tile_ring)
+                done = Int32(0)
                 while t < grid.count:
                     tile = schedule.in_l2_groups(grid, order, t)
                     q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
                         gmem, run, self._walk(tile, launch), smem, q_consumer, k_consumer,
-                        v_consumer, c, ctid, warp)
+                        v_consumer, c, ctid, warp, done)
+                    done += 1
                     tile_consumer, t = _receive(tile_consumer, tile_ring)
             else:
                 first, stride, count = self._share(grid)
@@ -519,7 +526,11 @@ class FwdSm90:
                     tile = self._static_tile(grid, first, stride, i)
                     q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
                         gmem, run, self._walk(tile, launch), smem, q_consumer, k_consumer,
-                        v_consumer, c, ctid, warp)
+                        v_consumer, c, ctid, warp, i)
+            if cutlass.const_expr(self.defer_o_read):
+                # the last tile's O store must have read shared memory before the exit
+                if warp % 4 == 0:
+                    cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     def _key_bytes(self) -> int:
         """Bytes of K and V per key (16-bit dtypes)."""
@@ -770,10 +781,11 @@ class FwdSm90:
     @cute.jit
     def mma_softmax_epilogue(self, gmem: Gmem, run: Scalars, walk: Walk, smem: Smem,
                              q_consumer, k_consumer, v_consumer, c: Int32, tidx: Int32,
-                             warp: Int32):
+                             warp: Int32, tiles_before: Int32):
         """Consumer c: S = Q K^T, online softmax and O += P V over the walk's key blocks
         (the last visited block first; _step per block after it), then out and LSE to
-        the walk's out_batch; returns the advanced ring consumers."""
+        the walk's out_batch; returns the advanced ring consumers. tiles_before: the
+        tiles this CTA ran before this one."""
         sQ, sK, sV = smem.sQ, smem.sK, smem.sV
         m_block, seg = walk.m_block, walk.seg
         n_begin, n_end = walk.n_begin, walk.n_end
@@ -833,6 +845,8 @@ class FwdSm90:
             self._wait_turn(c)
             wgmma.gemm(self._qk_mma(), acc_s, tSrQ, tSrK[None, None, None, k_at], True)
             self._pass_turn(c)
+            if cutlass.const_expr(self.defer_o_read):
+                self._free_previous_q(q_handle, tiles_before, warp)
             warpgroup.wait_group(0)
             self._release(k_handle)
             s_rc = rows_cols(acc_s)
@@ -894,14 +908,30 @@ class FwdSm90:
             if c == 0:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
+        if cutlass.const_expr(self.defer_o_read):
+            if n_end <= n_begin:  # no GEMM to hide the wait behind
+                self._free_previous_q(q_handle, tiles_before, warp)
         self.epilogue(tiles, gmem, run, walk, tidx, warp)
         # The Q stage is free once every warp of this consumer is past its last read:
         # the O store's (its issuing warp waited for it), or split variants' last wgmma.
         if cutlass.const_expr(self.split):
             pipeline.NamedBarrier(Barrier.EPILOGUE + c, WARPGROUP).arrive_and_wait()
-        if warp % 4 == 0:
-            q_handle.release()
+        if cutlass.const_expr(not self.defer_o_read):
+            if warp % 4 == 0:
+                q_handle.release()
         return q_consumer, k_consumer, v_consumer
+
+    @cute.jit
+    def _free_previous_q(self, q_handle, tiles_before: Int32, warp: Int32):
+        """Tile.defer_o_read: the previous tile's O store (issued by the consumer's
+        first warp) reads the Q stage before this tile's (q_handle's); once that read
+        is done, the stage is freed for the producer."""
+        if warp % 4 == 0:
+            if tiles_before > 0:
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+                previous = (q_handle.index + self.q_stages - 1) % self.q_stages
+                q_handle.get_origin().consumer_release(
+                    pipeline.PipelineState(self.q_stages, Int32(0), previous, Int32(0)))
 
     @cute.jit
     def _scales(self, gmem: Gmem, run: Scalars, walk: Walk):
@@ -1043,7 +1073,8 @@ class FwdSm90:
             )
             cute.copy(tma_atom_o, tOsO, tOgO)
             cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
+            if cutlass.const_expr(not self.defer_o_read):  # else _free_previous_q waits
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
 
     @cute.jit
     def _store_direct(self, tiles, values, mO, run: Scalars, walk: Walk):

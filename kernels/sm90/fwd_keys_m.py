@@ -200,10 +200,11 @@ class FwdKeysAsM(FwdSm90):
 
     @cute.jit
     def mma_softmax_epilogue(self, gmem: Gmem, run: Scalars, walk: Walk, smem, q_consumer,
-                             k_consumer, v_consumer, c, tidx, warp):
+                             k_consumer, v_consumer, c, tidx, warp, tiles_before):
         """The one consumer: S^T = K Q^T, the column softmax and O^T += V^T P^T over the
         walk's key blocks (the last visited first; _block_step per block after it),
-        then out and LSE to the walk's out_batch; returns the advanced ring consumers."""
+        then out and LSE to the walk's out_batch; returns the advanced ring consumers.
+        (tiles_before, FwdSm90's: one tile a CTA here.)"""
         sP, red, sQp = smem.scratch
         n, dv, tile_n = self.tile_m, self.head_dim_v, self.tile_n
         n_begin, n_end = walk.n_begin, walk.n_end
