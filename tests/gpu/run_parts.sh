@@ -41,7 +41,8 @@
 # seventh session, the same way (3ddb0e00, the backward beside cuDNN on the fourth):
 # core 5.9 then large 0.4, features 6.8, heads 5.3.
 # One H200, one part a call (617bcdd0, eighth session): core 4.8, large 0.4,
-# features 6.7, heads 4.5.
+# features 6.7, heads 4.5; again (b598d388, ninth session): core 4.3, large 0.3,
+# features 6.0, heads 4.5.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
