@@ -13,6 +13,8 @@ or negative; lengths negative or past S), which the kernels must survive without
 out-of-bounds access. The keys-as-M split tiles get decode steps (one position; no
 varlen case: its packed rows are no decode step). Sizes are small (the sanitizers are slow) but leave partial tiles
 and several query tiles and key blocks per problem, and the bands have masked edges.
+The persistent forwards (not segment or long-band ones) get their call once more with
+more heads, so that every CTA runs several tiles.
 
     python tests/gpu/sanitize_calls.py              # run every call on the GPU, timed
     python tests/gpu/sanitize_calls.py --list       # print the calls, check their kernels
@@ -39,6 +41,7 @@ import numpy as np
 
 import jax_fa4
 from jax_fa4 import _ffi_calls, _float8, _kernel_select, _path, _split_kv
+from kernels import config
 
 # Sq and Sk fill no tile or block of any kernel (tile_m 64..192, tile_n 64..128) and
 # span at least two. Two KV heads for four query heads is GQA; at Sq = 200 pack-GQA
@@ -55,6 +58,13 @@ PAGE, PAGES = 32, 10
 # attention_varlen's packed lengths.
 TOTAL_Q, TOTAL_K = 400, 600
 SOFTCAP = 5.0
+# The persistent forwards' second call (kernels/config.py Tile.schedule "static" or
+# "dynamic": a CTA per SM, or two, taking tiles in turn): 2 x 32 heads of 600 rows are
+# 320 tiles of 128 rows (256 of 192, 640 of 64) for 132 SMs, so each CTA runs several
+# and what carries across its tiles runs too: the Q ring, the tile counter's handoff,
+# the O store waited for in the next tile (Tile.defer_o_read).
+MANY_HEADS_Q, MANY_HEADS_KV, SEQ_MANY = 32, 16, 600
+PERSISTENT = frozenset(c.name for c in config.FWD_MANIFEST if c.tile.schedule != "tile")
 
 DTYPES = {"bf16": jnp.bfloat16, "fp16": jnp.float16, "e4m3": jnp.float8_e4m3fn}
 FLOAT8 = ("e4m3",)  # forwards through their own FFI target (jax_fa4/_float8.py)
@@ -71,6 +81,7 @@ class Call:
     deterministic: bool | None = None  # None: the forward alone; else jax.grad's dq mode
     seq_q: int = SEQ_Q
     seq_k: int = SEQ_K
+    heads: tuple[int, int] = (HEADS_Q, HEADS_KV)  # query and K/V heads
 
     def __str__(self):
         mode = {None: "", False: ", grad atomic", True: ", grad deterministic"}
@@ -166,11 +177,17 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             options = {"causal": True} | ({"softcap": SOFTCAP} if kernel["softcap"] else {})
             cases.append((case, options, arrays, varlen))
         modes = (None,) if kernel["kind"] == "fwd" else (False, True)
-        result.append((kernel, [
-            Call(kernel, case, _with_bounds(options, varlen), arrays, varlen, deterministic=mode,
-                 seq_q=seq_q, seq_k=seq_k)
-            for case, options, arrays, varlen in cases for mode in modes]))
+        calls = [Call(kernel, case, _with_bounds(options, varlen), arrays, varlen,
+                      deterministic=mode, seq_q=seq_q, seq_k=seq_k)
+                 for case, options, arrays, varlen in cases for mode in modes]
+        if kernel["name"] in PERSISTENT and not (kernel["segments"] or long_band):
+            case, options, arrays, _ = cases[0]
+            calls.append(Call(kernel, f"{case}, several tiles a CTA", options, arrays,
+                              seq_q=SEQ_MANY, seq_k=SEQ_MANY,
+                              heads=(MANY_HEADS_Q, MANY_HEADS_KV)))
+        result.append((kernel, calls))
     return result
+
 
 
 def _with_bounds(options: dict, varlen: bool) -> dict:
@@ -183,15 +200,15 @@ def operands(call: Call):
     """q, k, v in the call's kernel dtype and head dims, from a seed of their own."""
     kernel = call.kernel
     d, dv = kernel["head_dim"], kernel["head_dim_v"]
+    hq, hkv = call.heads
     if call.varlen:
-        shapes = (TOTAL_Q, HEADS_Q, d), (TOTAL_K, HEADS_KV, d), (TOTAL_K, HEADS_KV, dv)
+        shapes = (TOTAL_Q, hq, d), (TOTAL_K, hkv, d), (TOTAL_K, hkv, dv)
     elif call.paged:  # k and v are the caches
         pages = BATCH * PAGES + 1
-        shapes = ((BATCH, call.seq_q, HEADS_Q, d), (pages, PAGE, HEADS_KV, d),
-                  (pages, PAGE, HEADS_KV, dv))
+        shapes = ((BATCH, call.seq_q, hq, d), (pages, PAGE, hkv, d), (pages, PAGE, hkv, dv))
     else:
-        shapes = ((BATCH, call.seq_q, HEADS_Q, d), (BATCH, call.seq_k, HEADS_KV, d),
-                  (BATCH, call.seq_k, HEADS_KV, dv))
+        shapes = ((BATCH, call.seq_q, hq, d), (BATCH, call.seq_k, hkv, d),
+                  (BATCH, call.seq_k, hkv, dv))
     rng = np.random.default_rng(zlib.crc32(f"{kernel['name']} {call.case}".encode()))
     dtypes = [DTYPES[kernel["dtype"]]] + 2 * [DTYPES[kernel.get("kv_dtype", kernel["dtype"])]]
     return [rng.standard_normal(s, np.float32).astype(t) for s, t in zip(shapes, dtypes)]
