@@ -14,7 +14,10 @@ import jax
 NOT_BUILT = "native module jax_fa4._ffi is not built (pip install .)"
 
 try:
-    from jax_fa4 import _ffi
+    # Not `from jax_fa4 import _ffi`: while the package initialises, a missing module
+    # then raises a plain ImportError about a partially initialised package instead of
+    # ModuleNotFoundError for jax_fa4._ffi, and native_reason could not say "not built".
+    import jax_fa4._ffi as _ffi
     _IMPORT_ERROR = None
 except ImportError as error:
     _ffi = None
