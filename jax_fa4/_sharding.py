@@ -188,8 +188,9 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
     refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
-    sequence without a ring, a causal or windowed band ring over query and key sequences
-    of different lengths (the segment ring takes any), and a head sharding that does not
+    sequence without a ring, a band ring over a sequence the mesh axes do not divide or,
+    causal or windowed, over query and key sequences of different lengths (the segment
+    ring takes any), and a head sharding that does not
     split the key/value heads (the second operand) into whole groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
@@ -225,6 +226,17 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     # The segment ring takes any band and lengths: they are in the rows, in global indices.
     band_ring = seq is not None and "rows" not in signature.operands
     banded = spec.causal or spec.window != (None, None)
+    uneven = [n for n in (arg_shapes[0].shape[1], arg_shapes[1].shape[1])
+              if band_ring and n % _axes_size(mesh, seq)]
+    if uneven:
+        # jit's inputs split evenly, but a sharding constraint inside it may not: the
+        # last device's chunk is then padded, and the band ring, which places the band
+        # by chunk, would take those rows for keys.
+        raise NotImplementedError(
+            f"jax_fa4.attention: a sequence of {uneven[0]} is sharded over "
+            f"{_axes_size(mesh, seq)} devices ({seq!r}), which do not divide it; the ring "
+            "needs equal chunks. Pad the sequence to a multiple and pass kv_lengths (and "
+            "q_lengths) for the padding, or shard batch or heads.")
     if band_ring and banded and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
         raise NotImplementedError(
             "jax_fa4.attention: causal or windowed attention over a sharded sequence needs "

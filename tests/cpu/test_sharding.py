@@ -177,6 +177,22 @@ def test_banded_ring_needs_equal_lengths(built, mesh, options):
         fwd.lower(q, k, v).compile()
 
 
+@pytest.mark.parametrize("options", [{}, {"window": (2, 2)}, {"causal": True}],
+                         ids=["none", "window", "causal"])
+def test_band_ring_refuses_a_sequence_the_devices_do_not_divide(built, mesh, options):
+    """A sharding constraint inside jit may split 10 positions 4 ways (chunks of 3, the
+    last padded); the band ring would take the padding for keys (a wrong result)."""
+    q, k, v, _ = inputs(b=2, sq=10, sk=10)
+    seq = NamedSharding(mesh, P(None, "model", None, None))
+
+    def f(q, k, v):
+        q, k, v = (jax.lax.with_sharding_constraint(x, seq) for x in (q, k, v))
+        return jax_fa4.attention(q, k, v, **options)
+
+    with pytest.raises(Exception, match="a sequence of 10 is sharded over 4 devices"):
+        jax.jit(f).lower(q, k, v).compile()
+
+
 # Windows over a sequence of 24 sharded 4 ways, chunks of 6: name -> (options, key/value
 # heads, whether the ring runs in zigzag halves of 3). Every window is narrower than
 # the sequence: pairs of chunks far apart are skipped, and the pairs a window cuts run
