@@ -49,7 +49,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     query_seq_lengths, key_value_seq_lengths = (
         None if x is None else jnp.asarray(x) for x in (query_seq_lengths,
                                                         key_value_seq_lengths))
-    _check(query, key, value, query_seq_lengths, key_value_seq_lengths)
+    _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask)
+    if scale is not None and not isinstance(scale, jax.core.Tracer) and np.ndim(scale) == 0:
+        scale = float(scale)  # a concrete jax or NumPy scalar, as jax.nn takes it
     rank3 = len(query.shape) == 3
     q, k, v = (x[None] if rank3 else x for x in (query, key, value))
     mask_kind = _adapters.read_mask(mask, q.shape[1], k.shape[1])
@@ -58,7 +60,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                    else "a traced scale" if isinstance(scale, jax.core.Tracer) else None)
     if unsupported:
         _fallback.warn_message_once(
-            f"jax_fa4.dot_product_attention: jax_fa4 has no {unsupported}; running "
+            f"jax_fa4.dot_product_attention: jax_fa4 does not take {unsupported}; running "
             "jax.nn.dot_product_attention instead (XLA: the scores are materialized)")
         return jax.nn.dot_product_attention(query, key, value, **arguments)
     causal = is_causal or mask_kind == "causal"
@@ -79,8 +81,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     return out, residual
 
 
-def _check(query, key, value, query_seq_lengths, key_value_seq_lengths) -> None:
-    """jax.nn's own checks, with its messages, before anything is traced."""
+def _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask) -> None:
+    """jax.nn's own checks, with its messages (the mask's in jax.nn's words where it
+    gives some), before anything is traced."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         if len(x.shape) not in (3, 4):
             raise ValueError(f"{name} must have rank 3 (T, N, H) or 4 (B, T, N, H); "
@@ -105,3 +108,14 @@ def _check(query, key, value, query_seq_lengths, key_value_seq_lengths) -> None:
                                     or np.dtype(lengths.dtype) != np.int32):
             raise ValueError(f"{name} shape should be {[b]} (int32): but got "
                              f"{tuple(lengths.shape)} ({lengths.dtype})")
+    if mask is not None:
+        if np.dtype(mask.dtype) != np.bool_:
+            raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
+        # (B, N, T, S), or (N, T, S) for rank-3 inputs
+        scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
+        try:
+            if np.broadcast_shapes(tuple(mask.shape), scores) != scores:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to the "
+                             f"scores' shape {scores}") from None

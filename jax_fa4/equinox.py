@@ -49,7 +49,8 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
             inference = deterministic
             warnings.warn("MultiheadAttention()(deterministic=...) is deprecated in favour "
                           "of MultiheadAttention()(inference=...)")
-        dropout_active = not (inference or self.dropout.inference)
+        # Equinox's rule: the call's inference, when given, overrides the dropout's own.
+        dropout_active = not (self.dropout.inference if inference is None else inference)
         if self.dropout.p > 0.0 and dropout_active:
             _adapters.refuse("attention dropout",
                              "construct with dropout_p=0.0, or call with inference=True")

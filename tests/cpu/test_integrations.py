@@ -152,6 +152,12 @@ def test_equinox_refuses_active_dropout_and_other_masks():
     with pytest.raises(NotImplementedError, match="dropout"):
         ours(x, x, x, key=jax.random.key(0))
     ours(x, x, x, inference=True)
+    # Equinox's rule: a call's inference=False overrides the module's inference=True,
+    # so dropout is active there (it had run without dropout and without an error).
+    quiet = eqx_default_and_ours(False, dropout_p=0.1, inference=True)[1]
+    quiet(x, x, x)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        quiet(x, x, x, inference=False, key=jax.random.key(0))
     with pytest.raises(NotImplementedError, match="causal"):
         ours(x, x, x, mask=jnp.ones((S, S), bool).at[0, 1:].set(False).at[:, -1].set(False),
              inference=True)

@@ -114,7 +114,7 @@ def test_a_concrete_causal_mask_is_read():
 ])
 def test_what_jax_fa4_lacks_runs_jax_nn_with_a_warning(what, kwargs):
     q, k, v, _ = _inputs(4)
-    with pytest.warns(RuntimeWarning, match=f"jax_fa4 has no {what}"):
+    with pytest.warns(RuntimeWarning, match=f"jax_fa4 does not take {what}"):
         got = jax_fa4.dot_product_attention(q, k, v, **kwargs)
     np.testing.assert_array_equal(got, jax.nn.dot_product_attention(q, k, v, **kwargs))
 
@@ -150,7 +150,19 @@ def test_jax_nn_implementations_pass_through(monkeypatch, implementation):
      "same rank"),
     ((jnp.zeros((B, T, N, H)),) * 3, dict(implementation="flash"),
      "Unsupported implementation option: flash"),
+    # An all-visible mask had been read without its dtype or shape checked.
+    ((jnp.zeros((B, T, N, H)),) * 3, dict(mask=jnp.ones((T, T), jnp.float32)),
+     "mask dtype should be bool, but got float32"),
+    ((jnp.zeros((B, T, N, H)),) * 3, dict(mask=jnp.ones((T - 1, T), bool)),
+     rf"mask shape \({T - 1}, {T}\) does not broadcast to the scores' shape"),
 ])
 def test_malformed_input_is_refused_like_jax_nn(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax_fa4.dot_product_attention(*args, **kwargs)
+
+
+def test_a_concrete_jax_scalar_scale_is_taken_like_jax_nn():
+    q, k, v, _ = _inputs(4)
+    want = jax_fa4.dot_product_attention(q, k, v, scale=0.25)
+    for scale in (jnp.float32(0.25), jnp.array(0.25)):
+        np.testing.assert_array_equal(jax_fa4.dot_product_attention(q, k, v, scale=scale), want)
