@@ -238,7 +238,10 @@ def supports(q, k, v, **kwargs) -> Support:
     of `attention` / `attention_varlen`. Returns (True, "") or (False, reason): the reason
     names what is missing (a dtype or head_dim without a kernel, the native module, a
     Hopper GPU, a grid dimension), and then the path implementation=None takes instead;
-    `.path` is "kernel", "cudnn" or "reference". Malformed input raises ValueError.
+    `.path` is "kernel", "cudnn" or "reference". Where "cute" would run but
+    implementation=None does not (GPUs other than Hopper beside one), the reason says
+    why. Malformed input raises ValueError; a GPU machine whose native module failed to
+    import raises implementation=None's RuntimeError.
     """
     _check_implementation(kwargs.pop("implementation", None))
     kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
@@ -260,11 +263,13 @@ def supports(q, k, v, **kwargs) -> Support:
             spec = AttentionSpec.from_inputs(q, k, v, descales=descales, **kwargs)
     sizes = _path.sizes(q, k, varlen=varlen)
     ok, reason = _path.kernel_runs_here(spec, sizes)
-    if ok:
-        return Support(True, "", "kernel")
-    path, why = _path.fallback(spec, sizes)
-    return Support(False, f"{reason}; implementation=None runs {_fallback.RUNS[path]}"
-                   + (f" ({why})" if why else ""), path)
+    path, none_reason, why = _path.decide(spec, sizes)
+    if path == "platform":  # the kernel on CUDA: here, if a Hopper GPU is visible
+        return Support(ok, reason and f"{reason}; implementation=None runs "
+                       f"{_fallback.RUNS['reference']}", "kernel" if ok else "reference")
+    runs = f"implementation=None runs {_fallback.RUNS[path]}" + (f" ({why})" if why else "")
+    # ok here: "cute" would run the kernel, but not every GPU is a Hopper
+    return Support(ok, f"{runs}: {none_reason}" if ok else f"{reason}; {runs}", path)
 
 
 def kernels() -> list[dict]:

@@ -88,7 +88,7 @@ def kernel_spec(spec: AttentionSpec, sizes: tuple) -> AttentionSpec | None:
                              num_splits=1, long_band=False)
     if _kernel_select.kernel_head_dims(kv) is None:
         return None
-    return _path.with_split(_path.with_packing(kv, sizes[2]), sizes, always=True)
+    return _path.with_split(_path.with_packing(kv, *sizes[2:]), sizes, always=True)
 
 
 def dequantized(k, v, descales):

@@ -50,8 +50,9 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     sinks and softmax_scale are those of `attention`.
 
     Runtime values are defined for every int32: lengths are clipped to [0, max_pages *
-    page_size] (a sequence of length 0 gives out = 0, lse = -inf), and a page id outside
-    [0, num_pages) reads the nearest valid page (clipped), never outside the cache.
+    page_size] (a sequence of length 0 gives out = 0, lse = -inf, or the sink with
+    sinks), and a page id outside [0, num_pages) reads the nearest valid page
+    (clipped), never outside the cache.
     k_new (B, Sq, Hkv, D), v_new (B, Sq, Hkv, Dv): the keys and values of q's own Sq
     tokens, appended first: written at keys L - Sq .. L - 1 of each sequence (L its
     clipped length, which counts them; keys below 0 are dropped), through the same

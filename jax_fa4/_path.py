@@ -15,7 +15,7 @@ import functools
 
 import jax
 
-from jax_fa4 import _fallback, _kernel_select, _pack_gqa, _registry, _split_kv
+from jax_fa4 import _fallback, _kernel_select, _pack_gqa, _registry, _segment_plan, _split_kv
 from jax_fa4._spec import AttentionSpec
 
 
@@ -24,7 +24,7 @@ def plan(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
     banded tile: each step reads the one before it (the split counts the grid the
     packing left). sizes: `sizes`'s."""
     return with_long_band(
-        with_split(with_packing(choose(spec, implementation, sizes), sizes[2]), sizes), sizes)
+        with_split(with_packing(choose(spec, implementation, sizes), *sizes[2:]), sizes), sizes)
 
 
 def sizes(q, k, *, varlen: bool) -> tuple:
@@ -39,18 +39,30 @@ def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
         return spec.with_path("reference")
     if implementation == "cute":
         if _kernel_select.kernel_dtype(spec) is None:
-            raise ValueError(
+            raise NotImplementedError(
                 f"implementation='cute' takes bfloat16, float16 or float8_e4m3fn inputs; "
                 f"got {spec.dtype}")
         ok, reason = kernel_runs_here(spec, sizes)
         if not ok:
             raise NotImplementedError(reason)
         return spec.with_path("cute")
+    path, reason, why = decide(spec, sizes)
+    if path != "platform" and gpu_devices():  # no GPU: the reference is this machine's path
+        _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
+    return spec.with_path(path)
+
+
+def decide(spec: AttentionSpec, sizes: tuple) -> tuple[str, str, str]:
+    """(path, why not the kernel, why not cuDNN) of implementation=None, with no side
+    effect (`supports` asks it too): "platform" where the kernels take the call and
+    every GPU here is a Hopper, else "reference" without a GPU, else cuDNN or the
+    reference (`fallback`). Raises RuntimeError on a GPU machine whose native module
+    failed to import, unless that is allowed."""
     ok, reason = kernel_support(spec, sizes)
     if ok and not non_hopper_gpus():
-        return spec.with_path("platform")
+        return "platform", "", ""
     if not gpu_devices():
-        return spec.with_path("reference")  # no GPU: the reference is this machine's path
+        return "reference", reason, ""
     # A GPU the kernels cannot serve: decided statically, since a per-platform switch
     # would send any GPU to the kernel.
     if not ok and _registry.native_reason() and not _fallback.native_allowed():
@@ -62,8 +74,7 @@ def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
     if ok:
         reason = f"they need Hopper (sm_90) GPUs; visible: {describe(gpu_devices())}"
     path, why = fallback(spec, sizes)
-    _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
-    return spec.with_path(path)
+    return path, reason, why
 
 
 def fallback(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
@@ -76,13 +87,15 @@ def fallback(spec: AttentionSpec, sizes: tuple) -> tuple[str, str]:
     return ("cudnn", "") if ok else ("reference", why)
 
 
-def with_packing(spec: AttentionSpec, seqlen_q: int) -> AttentionSpec:
+def with_packing(spec: AttentionSpec, seqlen_q: int, seqlen_k: int) -> AttentionSpec:
     """Pack-GQA (`_pack_gqa`) on the kernel paths, where it needs fewer query tiles and
     its kernels were built."""
     if (spec.path not in ("cute", "platform") or spec.group_size == 1
             or not isinstance(seqlen_q, int) or spec.out_dtype is not None):
         return spec  # a symbolic Sq (jax.export) keeps the plain layout; float8 has none
     packed = dataclasses.replace(spec, pack_gqa=True)
+    if packed.segment_kernel and not _segment_plan.positions_support(seqlen_q, seqlen_k)[0]:
+        return spec  # a packed band runs the segment kernel, whose plans it would outgrow
     fwd, bwd = _kernel_select.fwd_kernel, _kernel_select.bwd_kernel
     if (_pack_gqa.worthwhile(spec.group_size, seqlen_q, fwd(spec)["tile_m"])
             and fwd(packed) is not None and (bwd(packed) is not None or bwd(spec) is None)):
@@ -154,7 +167,11 @@ def sm_count() -> int:
 def kernel_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
     """Whether a built kernel covers the call (devices aside)."""
     ok, reason = _kernel_select.kernel_support(spec)
-    return (ok, reason) if not ok else _kernel_select.grid_support(*sizes[:2])
+    if ok:
+        ok, reason = _kernel_select.grid_support(*sizes[:2])
+    if ok and spec.segment_kernel:
+        ok, reason = _segment_plan.positions_support(*sizes[2:])
+    return ok, reason
 
 
 def kernel_runs_here(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:

@@ -19,7 +19,8 @@ import jax.numpy as jnp
 
 from jax_fa4 import _masks
 
-# Beyond any sequence position a GPU holds; window sides are clamped to it.
+# Beyond any position of a call the segment kernels take (positions_support); window
+# sides are clamped to it.
 _FAR = 1 << 30
 # Neutral elements of min / max over int32 ids.
 _ID_MAX, _ID_MIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
@@ -28,6 +29,24 @@ _ID_MAX, _ID_MIN = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
 _NO_MASK, _RANGES, _RUNS, _IDS = 0, 1, 2, 3
 _MASK_BITS = 10
 _MAX_TILE_N = 255  # a split of the whole block still fits in the mask's 8 bits
+# The segment kernels' smallest key block (tests/cpu/test_segment_plan.py holds the
+# manifest to it). A forward plan entry keeps its block number in the int32's 21 bits
+# above the mask, so a row's keys must number below 2^21 such blocks: 2^27.
+MIN_TILE_N = 64
+MAX_KEYS = MIN_TILE_N << (31 - _MASK_BITS)
+
+
+def positions_support(seqlen_q, seqlen_k) -> tuple[bool, str]:
+    """Whether the plans and rows hold a call of these sizes (as the kernels see them:
+    varlen's packed totals, paged calls' max_pages * page_size keys): fewer than
+    MAX_KEYS keys, and positions below _FAR. Symbolic sizes (jax.export) pass."""
+    if isinstance(seqlen_k, int) and seqlen_k >= MAX_KEYS:
+        return False, (f"the segment kernels (segment ids, lengths, varlen, pages) take "
+                       f"fewer than {MAX_KEYS} keys a row; got {seqlen_k}")
+    if isinstance(seqlen_q, int) and isinstance(seqlen_k, int) and seqlen_q + seqlen_k >= _FAR:
+        return False, (f"the segment kernels take Sq + Sk below {_FAR}; got "
+                       f"{seqlen_q} + {seqlen_k}")
+    return True, ""
 
 
 def padded_rows(spec, sq: int, sk: int, *, q_segment_ids=None, kv_segment_ids=None,
@@ -116,8 +135,8 @@ def _tile_summaries(rows, tile_m, repeat=1):
     b, _, sq = rows.shape
     tiles = -(-sq // tile_m)
     # One tile takes the rows there are, unpadded: a decode step's single row then
-    # reduces over an axis of 1, which XLA drops.
-    width = tile_m if tiles > 1 else sq
+    # reduces over an axis of 1, which XLA drops. (A symbolic Sq, of jax.export, pads.)
+    width = sq if isinstance(sq, int) and tiles == 1 else tile_m
     pad = tiles * width - sq
 
     def tiled(x, fill):

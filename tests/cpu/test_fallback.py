@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _fallback, _path, _registry
+from jax_fa4 import _api, _fallback, _path, _registry, _segment_plan
 from jax_fa4._reference import reference_attention
 from jax_fa4._spec import AttentionSpec
 
@@ -77,6 +77,17 @@ def test_a_gpu_the_kernels_cannot_serve_takes_cudnn_or_the_reference(
     assert not support[0] and support.path == path and why in support[1]
 
 
+def test_supports_names_the_path_of_a_host_with_other_gpus_beside_a_hopper(
+        built, monkeypatch):
+    """"cute" would run the kernel on the Hopper, but implementation=None decides for
+    every GPU at once and runs cuDNN: supports() says so (its path had said kernel)."""
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100, A100))
+    with pytest.warns(RuntimeWarning, match="they need Hopper"):
+        assert plan(Q, KV, KV, causal=True, alignment="top_left").path == "cudnn"
+    support = jax_fa4.supports(Q, KV, KV, causal=True, alignment="top_left")
+    assert support[0] and support.path == "cudnn" and "they need Hopper" in support[1]
+
+
 def test_the_cudnn_path_takes_no_kernel_layout(built, monkeypatch):
     """GQA that the kernels cannot serve (a batch past the grid limit) runs cuDNN on the
     caller's layout: pack-GQA is the kernels' (it had marked such a spec packed, and
@@ -98,6 +109,29 @@ def test_the_grid_limit_is_a_reason_before_tracing(built, monkeypatch):
             jax_fa4.attention(q, q, q, implementation="cute")
     assert jax_fa4.supports(sds(65535, 4, 1, 64), sds(65535, 4, 1, 64),
                             sds(65535, 4, 1, 64)) == (True, "")
+
+
+def test_segment_kernels_refuse_keys_their_plans_cannot_name(built, monkeypatch):
+    """A plan entry keeps its key block in 21 bits: from 2^27 keys (64-key blocks) the
+    entries would wrap negative. Such calls are not the kernels' (cuDNN takes the
+    lengths), and a band over a group of heads stays unpacked (packed, it would run the
+    segment kernel)."""
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
+    limit = _segment_plan.MAX_KEYS
+    lengths = sds(1, dtype=jnp.int32)
+    q = sds(1, 1, 8, 128)
+    for sk, runs in ((limit - 64, True), (limit, False)):
+        kv = sds(1, sk, 1, 128)
+        ok, reason = jax_fa4.supports(q, kv, kv, kv_lengths=lengths)
+        assert ok == runs and (runs or f"fewer than {limit} keys a row" in reason), reason
+        if not runs:
+            with pytest.raises(NotImplementedError, match="keys a row"):
+                jax_fa4.attention(q, kv, kv, kv_lengths=lengths, implementation="cute")
+    q = sds(1, 2, 8, 128)  # two rows: one would see every key (no band left)
+    for sk, packed in ((limit - 64, True), (limit, False)):
+        kv = sds(1, sk, 1, 128)
+        spec = plan(q, kv, kv, causal=True)
+        assert spec.path == "platform" and spec.pack_gqa == packed, spec
 
 
 def test_the_backward_refuses_too_many_key_blocks_while_tracing(built, monkeypatch):
@@ -162,9 +196,12 @@ def test_missing_native_module_on_a_gpu_machine(monkeypatch, failure, allowed):
     if not allowed:
         with pytest.raises(RuntimeError, match=f"{cause}.*JAX_FA4_ALLOW_NO_NATIVE=1"):
             plan(Q, KV, KV)
+        with pytest.raises(RuntimeError, match=f"{cause}.*JAX_FA4_ALLOW_NO_NATIVE=1"):
+            jax_fa4.supports(Q, KV, KV)  # it had answered "cudnn"
     else:
         with pytest.warns(RuntimeWarning, match=cause):
             assert plan(Q, KV, KV).path == "cudnn"
+        assert jax_fa4.supports(Q, KV, KV).path == "cudnn"
     # An explicit choice is honoured either way.
     assert plan(Q, KV, KV, implementation="reference").path == "reference"
     with pytest.raises(NotImplementedError, match=cause):

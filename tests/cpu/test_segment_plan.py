@@ -285,3 +285,16 @@ def test_plans_of_repeated_rows_need_no_repetition(seed):
         np.testing.assert_array_equal(
             plan(rows, keys, tile_m, tile_n, repeat=g, **kwargs),
             plan(repeated, keys, tile_m, tile_n, **kwargs))
+
+
+def test_segment_kernels_take_blocks_of_at_least_the_plans_smallest(expected_manifest):
+    """positions_support's key limit assumes no segment kernel has smaller key blocks."""
+    tiles = {e["tile_n"] for e in expected_manifest if e["segments"] or e["paged"]}
+    assert tiles and min(tiles) >= _segment_plan.MIN_TILE_N, tiles
+
+
+def test_plan_entries_hold_the_last_block_below_the_key_limit():
+    """The largest block a call below MAX_KEYS has keeps its number in a plan entry."""
+    block = (_segment_plan.MAX_KEYS - 1) // _segment_plan.MIN_TILE_N
+    entry = np.int32(block) << np.int32(_segment_plan._MASK_BITS) | np.int32(3)
+    assert entry > 0 and entry >> _segment_plan._MASK_BITS == block
