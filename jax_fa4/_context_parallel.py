@@ -29,7 +29,7 @@ LAYOUTS = ("contiguous", "zigzag")
 
 def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_ids=None,
                    kv_segment_ids=None, softmax_scale=None, layout="contiguous",
-                   return_lse=False, implementation=None):
+                   return_lse=False, implementation=None, deterministic=False):
     """Attention of sequences sharded along `axis_name`; call inside `shard_map`.
 
     q (B, Sq_local, H, D), k/v (B, Sk_local, Hkv, D): this device's chunks, as laid out by
@@ -44,7 +44,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     q_segment_ids (B, Sq_local) / kv_segment_ids (B, Sk_local) int32: this device's
     chunks of the ids (laid out like q and k); the key ids travel with their chunk.
     Other arguments are those of `jax_fa4.attention`, which runs every chunk pair (the
-    kernel where it takes the pair's mask, else the reference).
+    kernel where it takes the pair's mask, else the reference); with `deterministic`
+    each pair's backward adds dq in a fixed order, and the ring sums the pairs in one,
+    so the gradients are bitwise reproducible.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
@@ -67,7 +69,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
         out, lse = attention(q, k, v, window=window, alignment="top_left",
                              softmax_scale=softmax_scale, return_lse=True,
                              implementation=implementation, q_segment_ids=q_seg,
-                             kv_segment_ids=kv_seg)
+                             kv_segment_ids=kv_seg, deterministic=deterministic)
         return out.astype(jnp.float32), lse
 
     def run(lo, hi, q, k, v, q_seg, kv_seg):

@@ -186,6 +186,23 @@ def test_ring_kernel_path(built, mesh):
     np.testing.assert_allclose(lse, want_lse, rtol=1e-4, atol=1e-4)
 
 
+def test_ring_takes_the_deterministic_backward(built, mesh, monkeypatch):
+    """deterministic=True reaches every chunk pair's backward kernel call."""
+    from jax_fa4 import _ffi_calls
+
+    seen = []
+    bwd = _ffi_calls.bwd
+    monkeypatch.setattr(_ffi_calls, "bwd", lambda *a, spec, **kw: (
+        seen.append(spec.deterministic), bwd(*a, spec=spec, **kw))[1])
+    q, k, v, _ = inputs(d=64, dtype=jnp.bfloat16)
+    for deterministic in (False, True):
+        seen.clear()
+        loss = lambda q, k, v: ring(mesh, True, "zigzag", deterministic=deterministic)(
+            q, k, v)[0].astype(jnp.float32).sum()
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v)
+        assert seen and set(seen) == {deterministic}, seen
+
+
 def test_zigzag_round_trip_and_validation(mesh):
     x = jnp.arange(2 * N * 3)[None, :]
     np.testing.assert_array_equal(unzigzag(zigzag(x, N), N), x)
