@@ -1,4 +1,5 @@
-"""The only place that builds XLA FFI calls to the native handlers (jax_fa4._ffi).
+"""The XLA FFI calls of the 16-bit kernels to the native handlers (jax_fa4._ffi); the
+e4m3 forward's is `_float8`'s.
 
 vmap reaches these calls already folded into the batch (_sharding.py); the handlers
 also fold any leading dimensions into the batch, so `broadcast_all` is exact should a

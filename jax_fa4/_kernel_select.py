@@ -1,8 +1,9 @@
 """Which compiled kernel runs an `AttentionSpec`, and whether one can.
 
 The spec names the variant it needs (dtype, head dims, `banded`, softcap,
-`segment_kernel`, `num_splits`); this module looks it up in the manifest of the kernels that were
-built (`_registry`): the head dims the kernels run it at, the forward and backward
+`segment_kernel`, `split_kernel`, `paged`, `kv_float8`, `keys_as_m`, `long_band`);
+this module looks it up in the manifest of the kernels that were built
+(`_registry`): the head dims the kernels run it at, the forward and backward
 kernels' manifest entries (name, tiles), and the reason when no kernel takes it. The
 manifest is read at every call, never cached into a spec. Whether a device can run the
 kernel is `_path`'s concern.

@@ -10,8 +10,9 @@ KV_FP8_*: head dims 64, 128 and 256, smaller ones zero-padded; no softcap): they
 and V in e4m3, half a bf16 cache's bytes, and convert each block in shared memory
 (kernels/sm90/dequant.py), exactly: K into bf16 for Q K^T, V into fp16 for P V (P
 rounded to fp16, not bf16); k's descale joins the softmax scale and v's scales out, in
-float32. Any Sq runs them (64-row tiles, one consumer warpgroup; split-KV
-where the grid leaves SMs idle), with pack-GQA, windows, lengths, segment ids and sinks.
+float32. Any Sq runs them (64-row tiles, one consumer warpgroup, or at head_dim 128
+the keys-as-M decode tile for up to 8 rows a K/V head; split-KV where the grid leaves
+SMs idle), with pack-GQA, windows, lengths, segment ids and sinks.
 Every other call (softcap, head dims above 256, no Hopper GPU, implementation=
 "reference") dequantizes K and V into bfloat16 first, k * k_descale rounded once, and
 takes the bfloat16 paths (`kernel_spec` None), with a warning on a GPU.

@@ -1,4 +1,5 @@
-"""Pure-JAX attention: the CPU / non-Hopper path, the backward for now, the test oracle.
+"""Pure-JAX attention: the CPU / non-Hopper path, the backward where a build has no
+backward kernel, the test oracle.
 
 Same conventions as the kernels (the contract is `jax_fa4.attention`'s docstring; which
 keys a query sees is `_masks`): causal and windows are bottom-right aligned unless

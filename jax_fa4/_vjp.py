@@ -2,7 +2,7 @@
 
 The backward is the FlashAttention backward from the saved out and lse (the cotangent
 of a returned lse included): the backward kernel where one was built for (dtype,
-head_dim, causal), with atomic or deterministic dq accumulation as the spec says, and
+head dims, banded, softcap, segments), with atomic or deterministic dq accumulation as the spec says, and
 `reference_backward` (the same formulas in pure JAX: exact, but it materializes the
 (Sq, Sk) scores) where a build has no backward kernel. The "platform" path picks per
 platform at lowering, in both directions: the kernels on CUDA, the reference elsewhere.

@@ -4,7 +4,7 @@
 #
 #   bash tests/gpu/run_parts.sh quick      # iteration: every path once (not the matrix)
 #   bash tests/gpu/run_parts.sh core       # numerics, backward, runtime values, determinism,
-#                                          # graphs, split-KV, paged
+#                                          # graphs, back-to-back calls, split-KV, paged
 #   bash tests/gpu/run_parts.sh features   # windows and softcap, segments, varlen, jax.nn
 #   bash tests/gpu/run_parts.sh heads      # GQA, sinks, transforms, fallback, float8,
 #                                          # the long-band tile

@@ -19,7 +19,7 @@ more heads, so that every CTA runs several tiles.
     python tests/gpu/sanitize_calls.py              # run every call on the GPU, timed
     python tests/gpu/sanitize_calls.py --list       # print the calls, check their kernels
     python tests/gpu/sanitize_calls.py --dry-run    # and lower each for CUDA (no GPU needed)
-    python tests/gpu/sanitize_calls.py --only d128_causal
+    python tests/gpu/sanitize_calls.py --only d128_banded
 
 Each call is traced first and must build the FFI calls of its kernel and no others
 (else it is reported and not run); the dry run also lowers it for CUDA. Run without a
