@@ -91,3 +91,18 @@ def test_kv8_table_holds_float8_kv_against_bf16(plot, tmp_path):
     # K/V of the float8 call: 2 * 1 * 131072 * 8 * 128 bytes in 0.1 ms.
     assert lines[4] == ("| 1, 128k | 0.2000 / 0.1000 (2.00x) | - | 0.2100 | 2.68 TB/s |")
     assert len(lines) == 5
+
+
+def test_readme_shows_the_tables_the_committed_results_make(plot):
+    """README's standard, float8 and float8-KV tables are bench.plot's, line for line,
+    from bench/results (its head_dim 256 backward rows had stayed those of an earlier
+    run in the same file)."""
+    results = plot.RESULTS
+    readme = (results.parents[1] / "README.md").read_text()
+    expected = [plot.tables(plot.standard_cells(sorted(results.glob("*.jsonl")))),
+                plot.fp8_table(sorted((results / "fp8").glob("*.jsonl"))),
+                plot.kv8_table(sorted((results / "kv8").glob("*.jsonl")))]
+    for text in expected:
+        for line in text.splitlines():
+            if line.startswith("| "):
+                assert line in readme, line
