@@ -4,7 +4,7 @@
 # native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of bench/variant.sh) and, where
 # its Python side differs from this checkout's, the .py files of its jax_fa4/ (as
 # variant.sh saves them), which replace the checkout's for its runs. Then
-# `python -m bench.compare` prints new / old per cell.
+# `python -m bench.compare` prints the speedup old / new time per cell.
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #

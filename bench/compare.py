@@ -1,11 +1,13 @@
-"""New / old time per cell from bench/ab.sh's JSON lines (or any bench.run outputs).
+"""Speedup (old / new time) per cell from bench/ab.sh's JSON lines (or any bench.run
+outputs).
 
     python -m bench.compare OUT base new        # reads OUT/{base,new}-{1,2}.jsonl
 
 Prints, per cell, old ms and the speedup old / new of each repetition (> 1: new is
 faster), then the range of speedups per head dim and mask. Records of the generation
 example (`ab.sh --generate`) compare tokens/s per batch and model instead, and show
-each run's paged / dense time.
+each run's paged / dense time. A cell that failed in a run (bench.run's "error"
+records) is named with its error, and has no ratio from that run.
 """
 
 import argparse
@@ -20,7 +22,11 @@ def _load(path: pathlib.Path) -> dict:
     cells = {}
     for line in path.read_text().splitlines():
         r = json.loads(line)
-        if "tokens_per_s" in r:  # examples/generate.py: seconds per token, a time
+        if r.get("mode") == "error":
+            cell = {**r, "mode": r.get("failed_mode")}
+            print(f"  failed in {path.name}: " + " ".join(
+                f"{k}={cell.get(k)}" for k in KEY) + f": {r.get('err', '')}")
+        elif "tokens_per_s" in r:  # examples/generate.py: seconds per token, a time
             for model, rate in r["tokens_per_s"].items():
                 cells[("generate", r["config"]["batch"], model)] = 1 / rate
         else:

@@ -34,7 +34,8 @@ LINES = {
 }
 PASSES = {"forward": ("fwd",), "backward": ("bwd", "bwd_det")}
 # Fields that make a cell something other than a standard one.
-FEATURES = ("h_kv", "window", "softcap", "documents", "sq", "dv", "page_size", "err")
+FEATURES = ("h_kv", "window", "softcap", "documents", "sq", "dv", "page_size", "kv_dtype",
+            "err")
 
 
 def standard_cells(paths) -> dict:

@@ -67,8 +67,11 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
     """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
     causal sliding window over window_left + 1 keys; scores capped at softcap; rows
     packed with `documents` equal documents, as segment ids; v and out of head_dim dv,
-    default d; K and V as a cache of page_size pages for the PAGED backends). The backward is timed as a whole vjp (which re-runs the forward) minus
-    `fwd_ms`, the convention of the anchors. With `kernels`, also "kernels": [(name, ms)]
+    default d; K and V as a cache of page_size pages for the PAGED backends). The
+    backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
+    convention of the anchors. (jax.nn's cuDNN path runs an inference forward kernel
+    alone and a training one, which also writes the softmax statistics, in the vjp: its
+    backward carries the difference; `kernels` shows both.) With `kernels`, also "kernels": [(name, ms)]
     of each GPU kernel of one call (a backward's call is the whole vjp, so its list
     starts with the forward's kernels)."""
     keys = jax.random.split(jax.random.key(0), 4)
@@ -167,8 +170,11 @@ def main():
         ap.error("--window takes a non-negative size, with --causal true")
     if args.softcap is not None and not args.softcap > 0:
         ap.error("--softcap takes a value > 0")
-    if args.documents is not None and args.documents < 1:
-        ap.error("--documents takes a count >= 1")
+    if args.documents is not None and (args.documents < 1 or any(
+            int(s) % args.documents for s in args.seqlens.split(","))):
+        # Uneven documents would be a different problem on each backend (segment ids,
+        # cu_seqlens across rows, jax.nn's reshape into a batch) and in the FLOP count.
+        ap.error("--documents takes a count >= 1 that divides every --seqlens")
     if args.page_size is not None and (args.page_size < 1 or passes != ["fwd"]):
         ap.error("--page-size takes a size >= 1, with the forward pass only")
     if args.seqlen_q is not None and (masks != ["false"] or args.seqlen_q < 1
@@ -216,6 +222,8 @@ def main():
                                 continue
                             dt = "float8_e4m3fn" if be in FP8 else args.dtype
                             rec = dict(backend=be, dtype=dt, b=b, s=s, h=h, d=d, date=today,
+                                       **({"kv_dtype": "float8_e4m3fn"} if be in KV_FP8
+                                          else {}),
                                        causal=causal, mode=mode, timing=method, device=device,
                                        **({"h_kv": h_kv} if h_kv != h else {}),
                                        **({"window": args.window}

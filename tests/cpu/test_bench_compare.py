@@ -64,3 +64,21 @@ def test_generation_records(tmp_path, capsys, bench_module):
     assert "110.0 tokens/s  1.000  1.000" in out
     assert "base batch 32: paged / dense time 1.100  1.100" in out
     assert "new batch 32: paged / dense time 0.880  0.880" in out
+
+
+def test_a_failed_cell_is_named_not_a_crash(tmp_path, capsys, bench_module):
+    """bench.run writes a cell that failed as a "mode": "error" record without "ms"
+    (compare had raised KeyError on it)."""
+    compare = bench_module("compare")
+    for name in ("base-1", "base-2", "new-1"):
+        _write(tmp_path / f"{name}.jsonl", (1.0, 2.0))
+    failed = {"mode": "error", "failed_mode": "fwd", "d": 64, "causal": True, "s": 2048,
+              "b": 8, "h": 32, "err": "RuntimeError('boom')"}
+    _write(tmp_path / "new-2.jsonl", (0.5,))
+    with open(tmp_path / "new-2.jsonl", "a") as f:
+        f.write(json.dumps(failed) + "\n")
+    compare.main([str(tmp_path), "base", "new"])
+    out = capsys.readouterr().out
+    assert "failed in new-2.jsonl: mode=fwd d=64 causal=True" in out and "boom" in out
+    assert "fwd d64 causal: 1.000 - 1.000" in out  # the run that measured it
+    assert "fwd d64 full: 1.000 - 2.000" in out

@@ -48,3 +48,13 @@ def test_kernel_times_takes_each_kernels_median(bench, monkeypatch, iterations):
     times = timing.kernel_times(lambda x: x + 1, 1.0, iterations=iterations)
     assert times == [("kernel_kernelssm90fwdFwdSm90", 0.010 if iterations == 1 else 0.011),
                      ("loop_reduce_fusion", 0.002)]
+
+
+def test_documents_must_divide_every_sequence_length(bench, monkeypatch, capsys):
+    """Uneven documents would be a different problem on each backend and in the FLOP
+    count: refused before anything runs."""
+    monkeypatch.setattr("sys.argv", ["bench.run", "--documents", "3", "--seqlens",
+                                     "2048,4096", "--backends", "jax_fa4"])
+    with pytest.raises(SystemExit):
+        bench[0].main()
+    assert "divides every --seqlens" in capsys.readouterr().err
