@@ -152,7 +152,7 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
     arrays.update(q_lengths=_masks.clip_lengths(arrays["q_lengths"], q.shape[1]),
                   kv_lengths=_masks.clip_lengths(arrays["kv_lengths"], k.shape[1]))
     table = _kv_float8.table(descales, k.shape[-2])
-    q = _float8.forward_only(q, _kv_float8.FORWARD_ONLY)
+    q, k, v = _float8.forward_only((q, k, v), _kv_float8.FORWARD_ONLY)
     if kernel_spec is not None:
         out, lse = _run(kernel_spec, q, k, v, **arrays, descales=table)
     else:

@@ -43,7 +43,9 @@ FORWARD_ONLY = (
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def forward_only(x, message: str = FORWARD_ONLY):
-    """x, whose gradient raises NotImplementedError(message)."""
+    """x (an array or a tuple of them), whose gradient raises NotImplementedError(message).
+    Operands wrapped together raise together: a gradient of lse with respect to v, which
+    lse does not depend on, raises with q's and k's instead of being zero."""
     return x
 
 
@@ -74,8 +76,10 @@ def dequantize(q, k, v, table):
     """float32 q * q_descale, k * k_descale, v * v_descale from descale_table's."""
     group = q.shape[-2] // max(k.shape[-2], 1)
 
+    q, k, v = forward_only((q, k, v))
+
     def scaled(x, descale):
-        return forward_only(x).astype(jnp.float32) * descale[:, None]
+        return x.astype(jnp.float32) * descale[:, None]
 
     return scaled(q, jnp.repeat(table[0], group)), scaled(k, table[1]), scaled(v, table[2])
 
@@ -84,7 +88,7 @@ def undefined_heads(out, lse, table):
     """NaN out and lse for the query heads whose K/V head has a negative q * k descale
     or a descale that is not finite (both paths)."""
     bad = (table[0] * table[1] < 0) | ~jnp.all(jnp.isfinite(table), axis=0)
-    bad = jnp.repeat(bad, out.shape[-2] // table.shape[1])
+    bad = jnp.repeat(bad, out.shape[-2] // max(table.shape[1], 1))  # no heads: none
     return jnp.where(bad[:, None], jnp.nan, out), jnp.where(bad[:, None], jnp.nan, lse)
 
 

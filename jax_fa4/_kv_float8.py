@@ -17,8 +17,8 @@ Every other call (softcap, head dims above 256, no Hopper GPU, implementation=
 "reference") dequantizes K and V into bfloat16 first, k * k_descale rounded once, and
 takes the bfloat16 paths (`kernel_spec` None), with a warning on a GPU.
 
-A K/V head with a negative or non-finite descale gives NaN out and lse on every path,
-as in `_float8`. A gradient through q, k, v or a descale raises NotImplementedError.
+A K/V head with a negative k_descale or a descale that is not finite gives NaN out
+and lse on every path, as in `_float8` (a negative v_descale is a plain scale). A gradient through q, k, v or a descale raises NotImplementedError.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jax_fa4 import (_fallback, _ffi_calls, _kernel_select, _pack_gqa, _path, _sharding,
                      _validate, _vjp)
-from jax_fa4._float8 import descale_table, forward_only
+from jax_fa4._float8 import descale_table
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
 
@@ -93,10 +93,10 @@ def kernel_spec(spec: AttentionSpec, sizes: tuple) -> AttentionSpec | None:
 
 
 def dequantized(k, v, descales):
-    """k * k_descale and v * v_descale in bfloat16 (forward only), from `table`'s."""
+    """k * k_descale and v * v_descale in bfloat16, from `table`'s (the caller has made
+    k and v forward only)."""
     def scaled(x, descale):
-        return (forward_only(x, FORWARD_ONLY).astype(jnp.float32)
-                * descale[:, None]).astype(jnp.bfloat16)
+        return (x.astype(jnp.float32) * descale[:, None]).astype(jnp.bfloat16)
 
     return scaled(k, descales[1]), scaled(v, descales[2])
 

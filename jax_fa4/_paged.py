@@ -69,8 +69,8 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     bfloat16 q stand for k_cache * k_descale and v_cache * v_descale, each descale None
     or float32 of shape () or (Hkv,) (jax_fa4/_kv_float8.py): the paged kernels' float8
     variants read the pages in e4m3 and convert them in shared memory; other calls take
-    the gather, dequantized. out is bfloat16; a K/V head with a negative or non-finite
-    descale gives NaN out and lse.
+    the gather, dequantized. out is bfloat16; a K/V head with a negative k_descale or a
+    descale that is not finite gives NaN out and lse.
 
     implementation: as in `attention` (None: the kernels where they run). Inference only:
     jax.grad through it raises NotImplementedError.
@@ -91,9 +91,10 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
                         implementation=implementation, **options)
 
     def gathered(implementation):
+        # The descales reach it as `table`, an argument: closed over, they would leak
+        # out of _inference_only's custom_vjp as tracers under jax.grad.
         attention = functools.partial(_api.attention, **options, return_lse=True,
-                                      implementation=implementation,
-                                      **(descales if table is not None else {}))
+                                      implementation=implementation)
         return functools.partial(_gathered, attention)
 
     if spec is None:
@@ -170,14 +171,14 @@ def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v
 
 def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new,
               table):
-    del table  # `attention` takes the descales themselves
+    descales = {} if table is None else dict(k_descale=table[1], v_descale=table[2])
     caches = ()
     if k_new is not None:
         k_cache = append(k_cache, k_new, page_table, kv_lengths)
         v_cache = append(v_cache, v_new, page_table, kv_lengths)
         caches = (k_cache, v_cache)
     out, lse = attention(q, gather(k_cache, page_table), gather(v_cache, page_table),
-                         kv_lengths=kv_lengths, sinks=sinks)
+                         kv_lengths=kv_lengths, sinks=sinks, **descales)
     return (out, lse, *caches)
 
 

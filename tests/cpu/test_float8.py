@@ -79,6 +79,10 @@ def test_float8_is_forward_only():
         with pytest.raises(NotImplementedError, match="forward only"):
             jax.grad(lambda q, k, v, d: jnp.sum(jax_fa4.attention(q, k, v, q_descale=d)),
                      argnums=argnums)(q, k, k, descale)
+    # lse does not depend on v, and still raises (its gradient had been zeros on the
+    # reference path, raising only on the kernel path).
+    with pytest.raises(NotImplementedError, match="forward only"):
+        jax.grad(lambda v: jax_fa4.attention(q, k, v, return_lse=True)[1].sum())(k)
     # Sinks are no float8 input: their gradient is defined.
     sinks_grad = jax.grad(lambda s: jnp.sum(jax_fa4.attention(q, k, k, sinks=s)))(
         jnp.zeros((2,), jnp.float32))
@@ -228,3 +232,12 @@ def test_float8_kernel_call_under_vmap(built, descales_batched):
         want = f(q[i], k[i], kd[i] if descales_batched else kd[0])
         np.testing.assert_allclose(got[i], np.asarray(want, np.float32), rtol=2 ** -7,
                                    atol=1e-6)
+
+
+def test_float8_without_heads_is_empty():
+    """Hq = Hkv = 0 (valid input) gives empty out and lse (NaN-masking the heads had
+    divided by Hkv)."""
+    q, k = jnp.zeros((1, 3, 0, 16), E4M3), jnp.zeros((1, 4, 0, 16), E4M3)
+    for q_ in (q, q.astype(jnp.bfloat16)):
+        out, lse = jax_fa4.attention(q_, k, k, return_lse=True)
+        assert out.shape == (1, 3, 0, 16) and lse.shape == (1, 0, 3)

@@ -54,6 +54,24 @@ def test_kv_float8_is_forward_only():
                 jnp.float32).sum(), argnums=argnum)(q, k, v, KD)
 
 
+def test_kv_float8_paged_gradients_raise_eagerly():
+    """jax.grad outside jit through a paged call's descales: its gather path had closed
+    over them, and they leaked out of the custom_vjp (UnexpectedTracerError)."""
+    q, k, v = inputs()
+    table, lengths = jnp.asarray([[0, 1], [2, 3]], jnp.int32), jnp.asarray([7, 30], jnp.int32)
+    k_cache, v_cache = (x.reshape(B * SK // 16, 16, HKV, D) for x in (k, v))  # pages of 16
+
+    def loss(kd, vd, q):
+        return jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, k_descale=kd,
+                                       v_descale=vd).astype(jnp.float32).sum()
+
+    for argnum in (0, 1, 2):
+        with pytest.raises(NotImplementedError, match="no gradient"):
+            jax.grad(loss, argnums=argnum)(KD, VD, q)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        jax.grad(lambda v: jax_fa4.attention(q, k, v, return_lse=True)[1].sum())(v)
+
+
 def test_kv_float8_negative_descale_gives_nan_heads():
     q, k, v = inputs()
     out, lse = jax_fa4.attention(q, k, v, k_descale=jnp.asarray([1.0, -1.0], jnp.float32),
