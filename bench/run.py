@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.backends import BACKENDS, DETERMINISTIC, FP8, KV_FP8, PAGED
+from jax_fa4 import _registry
 from bench.flops import attention_flops
 from bench.timing import kernel_times, make_timer
 
@@ -187,6 +188,7 @@ def main():
                     or args.page_size)
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
+    module = _registry.module_md5()  # which build: the native module's md5
     method, timer = make_timer()
     if args.kernels and method != "cupti":
         ap.error("--kernels needs CUPTI timing, which is unavailable here")
@@ -222,6 +224,7 @@ def main():
                                 continue
                             dt = "float8_e4m3fn" if be in FP8 else args.dtype
                             rec = dict(backend=be, dtype=dt, b=b, s=s, h=h, d=d, date=today,
+                                       module=module,
                                        **({"kv_dtype": "float8_e4m3fn"} if be in KV_FP8
                                           else {}),
                                        causal=causal, mode=mode, timing=method, device=device,

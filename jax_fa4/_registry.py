@@ -9,6 +9,8 @@ on a GPU machine unless allowed).
 
 from __future__ import annotations
 
+import hashlib
+
 import jax
 
 NOT_BUILT = "native module jax_fa4._ffi is not built (pip install .)"
@@ -39,6 +41,15 @@ def native_reason() -> str:
     if _IMPORT_ERROR is None or absent:
         return NOT_BUILT
     return f"native module jax_fa4._ffi failed to import: {_IMPORT_ERROR!r}"
+
+
+def module_md5() -> str | None:
+    """The first 8 hex digits of the loaded native module's md5, the build id the docs
+    and measurements name; None without a module."""
+    if _ffi is None or not getattr(_ffi, "__file__", None):
+        return None
+    with open(_ffi.__file__, "rb") as f:
+        return hashlib.md5(f.read()).hexdigest()[:8]
 
 
 def manifest() -> list[dict]:

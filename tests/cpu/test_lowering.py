@@ -284,3 +284,17 @@ def test_head_dims_run_the_least_kernel_that_holds_them(built, monkeypatch, d, d
     assert re.search(rf"@jax_fa4_bwd\(.* : \({operands}", text)
     out = jax.eval_shape(jax_fa4.attention, q, k, v)
     assert out.shape == (2, 40, 4, dv)
+
+
+@pytest.mark.native
+def test_module_md5_names_the_loaded_build():
+    import hashlib
+    import pathlib
+
+    digest = hashlib.md5(pathlib.Path(_registry._ffi.__file__).read_bytes()).hexdigest()
+    assert _registry.module_md5() == digest[:8]
+
+
+def test_module_md5_without_a_module(monkeypatch):
+    monkeypatch.setattr(_registry, "_ffi", None)
+    assert _registry.module_md5() is None
