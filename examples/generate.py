@@ -8,16 +8,17 @@ dense cache on jax.nn (cuDNN on a GPU, XLA on a CPU), the same weights and promp
 
 Each run prefills the prompt once (causal attention over the prompt's own keys and
 values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which also fill the cache),
-then decodes one token per step for --new steps under one jit (`lax.fori_loop`): its
-keys and values are written into the cache at the sequence's length, and it attends to
-the cache. The paged model keeps every layer's K and V in a pool of pages (num_pages,
+which gives the first new token, then decodes the other --new - 1 one a step under one
+jit (`lax.fori_loop`): each step's keys and values are written into the cache at the
+sequence's length, and it attends to the cache. The paged model keeps every layer's K and V in a pool of pages (num_pages,
 page_size, Hkv, D) that a page table maps sequences onto, in a shuffled order, and
 attends with `jax_fa4.paged_attention`, whose kernel also writes the step's keys and
 values into their pages (k_new, v_new); the dense model keeps (B, max_len, Hkv, D) per
 layer, writes them with a dynamic_update_slice and attends with
-`jax.nn.dot_product_attention` and key_value_seq_lengths. Prints tokens/s of the decode
-loop for both (median of --repeats timed runs after a warm-up) and how many generated
-tokens agree.
+`jax.nn.dot_product_attention` and key_value_seq_lengths. Prints tokens/s of whole runs,
+prefill included, for both (batch x --new tokens over the median of --repeats timed
+runs, the two models' runs alternated after a warm-up of each, so that drifting clocks
+touch both alike) and how many generated tokens agree.
 
 The weights are random (this measures decoding, not a trained model): greedy decoding
 then lands on ties now and then, where the two paths' roundings can pick different
@@ -42,6 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jax_fa4
+from jax_fa4 import _registry
 
 PRESETS = {
     "gpu": {"layers": 8, "width": 2048, "heads": 32, "kv_heads": 8, "vocab": 32768,
@@ -210,14 +212,17 @@ def generate(cfg: Config, params, prompts, model):
     return jax.lax.fori_loop(1, cfg.new, step, (out, caches))[0]
 
 
-def timed(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    times = []
+def timed(fns: dict, *args, repeats):
+    """{name: (result, median seconds)} of each jitted fn(*args), warmed up (compiled)
+    first, then its timed runs alternated with the others'."""
+    results = {name: jax.block_until_ready(fn(*args)) for name, fn in fns.items()}
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        start = time.perf_counter()
-        result = jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return result, statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            results[name] = jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - start)
+    return {name: (results[name], statistics.median(times[name])) for name in fns}
 
 
 def profile_run(cfg: Config, params, prompts, model, iterations=3):
@@ -277,10 +282,11 @@ def main(argv=None) -> dict:
             for kernel, launches, ms in rows[:20]:
                 print(f"  {ms:9.3f} ms  {launches:6d} x  {kernel}")
         return {}
+    fns = {name: jax.jit(lambda params, prompts, model=model: generate(cfg, params, prompts,
+                                                                       model))
+           for name, model in models}
     runs = {}
-    for name, model in models:
-        fn = jax.jit(lambda params, prompts, model=model: generate(cfg, params, prompts, model))
-        tokens, seconds = timed(fn, params, prompts, repeats=args.repeats)
+    for name, (tokens, seconds) in timed(fns, params, prompts, repeats=args.repeats).items():
         runs[name] = (np.asarray(tokens), seconds)
         print(f"{name:>22}: {cfg.batch * cfg.new / seconds:10.1f} tokens/s "
               f"({seconds * 1e3:.1f} ms for {cfg.new} tokens x batch {cfg.batch}, "
@@ -289,6 +295,7 @@ def main(argv=None) -> dict:
     agree = float(np.mean(paged == dense))
     print(f"tokens that agree: {agree:.1%}; paged / dense time: {t_paged / t_dense:.2f}")
     record = {"config": dataclasses.asdict(cfg), "device": jax.devices()[0].device_kind,
+              "module": _registry.module_md5(),  # which build: the native module's md5
               "tokens_per_s": {name: cfg.batch * cfg.new / t for name, (_, t) in runs.items()},
               "agree": agree}
     if args.json:
