@@ -54,6 +54,9 @@ def pytest_collection_modifyitems(config, items):
     not_built = _registry.native_reason()
     if not_built and os.environ.get("JAX_FA4_REQUIRE_NATIVE") == "1":
         raise pytest.UsageError(f"JAX_FA4_REQUIRE_NATIVE=1 but {not_built}")
+    if backend != "gpu" and os.environ.get("JAX_FA4_REQUIRE_GPU") == "1":
+        raise pytest.UsageError(f"JAX_FA4_REQUIRE_GPU=1 but jax.default_backend() is "
+                                f"{backend!r}")
     timeout = config.pluginmanager.hasplugin("timeout")
     if timeout is False and backend == "gpu" and not os.environ.get("JAX_FA4_NO_TIMEOUT"):
         raise pytest.UsageError("the GPU tests need pytest-timeout (pip install "

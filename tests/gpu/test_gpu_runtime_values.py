@@ -1,9 +1,12 @@
-"""Runtime index values out of range on the kernels (the contract of README's API
+"""Runtime index values out of range on the kernel path (the contract of README's API
 section): cu_seqlens past the packed length, decreasing and negative; lengths negative,
 zero and past S; segment ids at the int32 extremes. Each call equals, bit for bit, the
 same call with the values clipped as the contract says, and meets the rule of
-tests/README.md against the float32 reference. tests/gpu/sanitize.sh runs such calls
-under compute-sanitizer."""
+tests/README.md against the float32 reference. The Python side clips offsets and
+lengths before the plan and the kernels see them, so the bit-for-bit part holds the
+API to its contract; the kernels meet out-of-range values themselves only as segment
+ids (any int32) and page ids (tests/gpu/test_gpu_paged.py). tests/gpu/sanitize.sh runs
+such calls under compute-sanitizer."""
 
 import functools
 
