@@ -25,8 +25,10 @@ def not_hopper(monkeypatch):
 CASES = {
     "causal": (dict(causal=True), {}),
     "gqa-top-left-window": (dict(causal=True, window=(64, 0), alignment="top_left"), {}),
+    # Out-of-range lengths (300 and 400 clip to 256) with rows that see keys in both
+    # batch entries (the former [300, -4] / [0, 255] left nothing visible: all zeros).
     "lengths": (dict(causal=True, alignment="top_left"),
-                {"q_lengths": [300, -4], "kv_lengths": [0, 255]}),
+                {"q_lengths": [300, 200], "kv_lengths": [400, 100]}),
 }
 
 
