@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 
 from bench.backends import BACKENDS, DETERMINISTIC, FP8, KV_FP8, PAGED
-from jax_fa4 import _registry
 from bench.flops import attention_flops
 from bench.timing import kernel_times, make_timer
+from jax_fa4 import _registry
 
 TOKENS, HIDDEN = 16384, 2048
 ANCHORS = pathlib.Path(__file__).with_name("anchors_h100.jsonl")
@@ -72,9 +72,9 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
     backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
     convention of the anchors. (jax.nn's cuDNN path runs an inference forward kernel
     alone and a training one, which also writes the softmax statistics, in the vjp: its
-    backward carries the difference; `kernels` shows both.) With `kernels`, also "kernels": [(name, ms)]
-    of each GPU kernel of one call (a backward's call is the whole vjp, so its list
-    starts with the forward's kernels)."""
+    backward carries the difference; `kernels` shows both.) With `kernels`, also
+    "kernels": [(name, ms)] of each GPU kernel of one call (a backward's call is the
+    whole vjp, so its list starts with the forward's kernels)."""
     keys = jax.random.split(jax.random.key(0), 4)
     dv = dv or d
     q = jax.random.normal(keys[0], (b, seqlen_q or s, h, d), dtype)

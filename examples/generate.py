@@ -10,11 +10,12 @@ Each run prefills the prompt once (causal attention over the prompt's own keys a
 values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which also fill the cache),
 which gives the first new token, then decodes the other --new - 1 one a step under one
 jit (`lax.fori_loop`): each step's keys and values are written into the cache at the
-sequence's length, and it attends to the cache. The paged model keeps every layer's K and V in a pool of pages (num_pages,
-page_size, Hkv, D) that a page table maps sequences onto, in a shuffled order, and
-attends with `jax_fa4.paged_attention`, whose kernel also writes the step's keys and
-values into their pages (k_new, v_new); the dense model keeps (B, max_len, Hkv, D) per
-layer, writes them with a dynamic_update_slice and attends with
+sequence's length, and it attends to the cache. The paged model keeps every layer's K
+and V in a pool of pages (num_pages, page_size, Hkv, D) that a page table maps
+sequences onto, in a shuffled order, and attends with `jax_fa4.paged_attention`, whose
+kernel also writes the step's keys and values into their pages (k_new, v_new); the
+dense model keeps (B, max_len, Hkv, D) per layer, writes them with a
+dynamic_update_slice and attends with
 `jax.nn.dot_product_attention` and key_value_seq_lengths. Prints tokens/s of whole runs,
 prefill included, for both (batch x --new tokens over the median of --repeats timed
 runs, the two models' runs alternated after a warm-up of each, so that drifting clocks

@@ -265,8 +265,9 @@ def supports(q, k, v, **kwargs) -> Support:
     ok, reason = _path.kernel_runs_here(spec, sizes)
     path, none_reason, why = _path.decide(spec, sizes)
     if path == "platform":  # the kernel on CUDA: here, if a Hopper GPU is visible
-        return Support(ok, reason and f"{reason}; implementation=None runs "
-                       f"{_fallback.RUNS['reference']}", "kernel" if ok else "reference")
+        path = "kernel" if ok else "reference"
+    if path == "kernel":
+        return Support(True, "", path)
     runs = f"implementation=None runs {_fallback.RUNS[path]}" + (f" ({why})" if why else "")
     # ok here: "cute" would run the kernel, but not every GPU is a Hopper
     return Support(ok, f"{runs}: {none_reason}" if ok else f"{reason}; {runs}", path)

@@ -114,8 +114,9 @@ def _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask) ->
         # (B, N, T, S), or (N, T, S) for rank-3 inputs
         scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
         try:
-            if np.broadcast_shapes(tuple(mask.shape), scores) != scores:
-                raise ValueError
-        except ValueError:
+            fits = np.broadcast_shapes(tuple(mask.shape), scores) == scores
+        except ValueError:  # shapes that do not broadcast at all
+            fits = False
+        if not fits:
             raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to the "
-                             f"scores' shape {scores}") from None
+                             f"scores' shape {scores}")

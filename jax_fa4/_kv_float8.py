@@ -18,7 +18,8 @@ Every other call (softcap, head dims above 256, no Hopper GPU, implementation=
 takes the bfloat16 paths (`kernel_spec` None), with a warning on a GPU.
 
 A K/V head with a negative k_descale or a descale that is not finite gives NaN out
-and lse on every path, as in `_float8` (a negative v_descale is a plain scale). A gradient through q, k, v or a descale raises NotImplementedError.
+and lse on every path, as in `_float8` (a negative v_descale is a plain scale). A
+gradient through q, k, v or a descale raises NotImplementedError.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ import functools
 
 import jax
 
-from jax_fa4 import _fallback, _kernel_select, _pack_gqa, _registry, _segment_plan, _split_kv
+from jax_fa4 import (_fallback, _kernel_select, _pack_gqa, _registry, _segment_plan,
+                     _split_kv)
 from jax_fa4._spec import AttentionSpec
 
 

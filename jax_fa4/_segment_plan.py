@@ -43,7 +43,7 @@ def positions_support(seqlen_q, seqlen_k) -> tuple[bool, str]:
     if isinstance(seqlen_k, int) and seqlen_k >= MAX_KEYS:
         return False, (f"the segment kernels (segment ids, lengths, varlen, pages) take "
                        f"fewer than {MAX_KEYS} keys a row; got {seqlen_k}")
-    if isinstance(seqlen_q, int) and isinstance(seqlen_k, int) and seqlen_q + seqlen_k >= _FAR:
+    if all(isinstance(n, int) for n in (seqlen_q, seqlen_k)) and seqlen_q + seqlen_k >= _FAR:
         return False, (f"the segment kernels take Sq + Sk below {_FAR}; got "
                        f"{seqlen_q} + {seqlen_k}")
     return True, ""

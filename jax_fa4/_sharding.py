@@ -190,8 +190,8 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
     sequence without a ring, a band ring over a sequence the mesh axes do not divide or,
     causal or windowed, over query and key sequences of different lengths (the segment
-    ring takes any), and a head sharding that does not
-    split the key/value heads (the second operand) into whole groups."""
+    ring takes any), and a head sharding that does not split the key/value heads (the
+    second operand) into whole groups."""
     q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
     seq, heads = q_spec[1], q_spec[2]
     for name, arg in zip(signature.operands, arg_shapes):
