@@ -6,6 +6,8 @@ v * v_descale are exact in bfloat16: the rule's inputs are the values the call s
 for, and its low-precision baseline is plain bfloat16 attention on them. Each call is
 checked to run a float8-KV kernel (the lowered text names the attribute)."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -144,6 +146,10 @@ def test_kv_float8_split_is_deterministic():
     bit the same every time."""
     q, k, v = _inputs(6, 1, 1, 20000, 32, 8, 128)
     fn = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, return_lse=True))
+    hlo = fn.lower(q, k, v).as_text()
+    assert "kv_float8 = true" in hlo and "split_kernel = true" in hlo, hlo[-2000:]
+    splits = re.search(r"num_splits = (\d+)", hlo)
+    assert splits and int(splits[1]) > 1, "expected several splits"
     first = jax.device_get(fn(q, k, v))
     for _ in range(3):
         for x, y in zip(first, jax.device_get(fn(q, k, v))):

@@ -2,8 +2,9 @@
 random order with ragged lengths, bit for bit equal to `attention` on the same keys held
 densely, and within the rule of tests/README.md, at every page size and head dim they
 take, with pack-GQA, split-KV, causal, windows, softcap and sinks; page ids and lengths
-out of range; a changing page table and lengths under jit (a CUDA graph); and the one
-warning of the calls that gather the pages instead."""
+out of range; a changing page table and lengths under jit (replayed in a CUDA graph:
+test_gpu_command_buffer.py); and the one warning of the calls that gather the pages
+instead."""
 
 import warnings
 
@@ -195,7 +196,7 @@ def test_appending_rows(fa, batch, page_size, d, sq, causal):
 
 def test_appending_in_a_decode_loop(fa):
     """A decode loop under jit (the caches a loop carry, written in place by the kernel;
-    a CUDA graph per step): its caches bit for bit those of the same loop that scatters
+    one compiled loop): its caches bit for bit those of the same loop that scatters
     each step's row first, each step's out and lse within the rule on the keys up to
     its own (test_appending_rows says why not bit for bit that loop's)."""
     batch, page_size, max_pages, steps = 2, 64, 20, 6
