@@ -220,6 +220,45 @@ def assert_rule(what, got, ref, lp, rtol=RTOL, atol=ATOL):
     bound = rtol * lp_err + atol
     assert err <= bound, (f"{what}: max|got - ref| = {err:.3e} > {rtol} * max|lp - ref| "
                           f"({lp_err:.3e}) + atol ({atol:.1e}) = {bound:.3e}")
+    return err
+
+
+def assert_lse(what, lse, lse_ref, lse_lp, q, k, *, softmax_scale=None, rtol=RTOL,
+               softcap=None, sinks=None):
+    """lse against the rule, with its own floor (tests/README.md), and without softcap
+    also within the float32 bound of `_float32_lse_bound`: lse_lp rounds the scores to
+    the input dtype, which the kernels do not, so the rule alone is a thousand times
+    looser than lse's own error."""
+    finite = jnp.where(jnp.isfinite(lse_ref), jnp.abs(lse_ref), 0.0)
+    lse_scale = float(jnp.max(finite, initial=0.0))
+    floor = 2 * float(np.finfo(np.float32).eps) * max(lse_scale, 0.3)
+    err = assert_rule(what, lse, lse_ref, lse_lp, rtol=rtol, atol=floor)
+    if softcap is None:
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        keys = k.shape[-3] + (sinks is not None)
+        bound = _float32_lse_bound(q, k, scale, keys, lse_scale)
+        assert err <= bound, (f"{what}: max|got - ref| = {err:.3e} > its float32 bound "
+                              f"{bound:.3e}")
+
+
+def _float32_lse_bound(q, k, scale, keys, lse_scale):
+    """How far two lse computed in float32 from the same inputs may be apart (a kernel's
+    and the float32 reference's), without softcap. A score sums D products: IEEE float32
+    in any order is off by at most D eps sum_d |q_d k_d|; the tensor cores' truncating
+    accumulation by at most about 2 D eps times the same. With S = scale max|q| max|k|
+    over rows (Cauchy-Schwarz bounds every score's sum by it), the two sides' scores
+    differ by at most 4 D eps S (doubled for margin), and lse, whose gradient in the
+    scores is a distribution, by at most that. Scaling and subtracting the max add a few
+    eps S. The row's sum of `keys` exponentials (approximate exp2 and a rescale per key
+    tile in the kernel) is off by at most about `keys` eps relative on each side, which
+    lse takes as absolute; the log adds a few eps of lse."""
+    eps = float(np.finfo(np.float32).eps)
+
+    def largest_norm(x):
+        return float(jnp.max(jnp.linalg.norm(x.astype(jnp.float32), axis=-1)))
+
+    s = scale * largest_norm(q) * largest_norm(k)
+    return eps * ((4 * q.shape[-1] + 4) * s + 3 * keys + 8 * max(lse_scale, 1.0))
 
 
 def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None, **mask):
@@ -229,12 +268,8 @@ def assert_attention(what, out, lse, q, k, v, *, causal, softmax_scale=None, **m
                                                       softmax_scale=softmax_scale, **mask)
     assert out.dtype == q.dtype and lse.dtype == jnp.float32
     assert_rule(f"{what} out", out, out_ref, out_lp, rtol=_rtol(mask))
-    # Both references keep the softmax statistics in float32, so lse_lp is no
-    # low-precision baseline: lse's floor is float32 rounding at lse's own magnitude
-    # (about 5 to 10, not 0.3), which the kernel's approximate exp2/log2 reach.
-    lse_scale = float(jnp.max(jnp.where(jnp.isfinite(lse_ref), jnp.abs(lse_ref), 0.0)))
-    lse_atol = 2 * float(np.finfo(np.float32).eps) * max(lse_scale, 0.3)
-    assert_rule(f"{what} lse", lse, lse_ref, lse_lp, rtol=_rtol(mask), atol=lse_atol)
+    assert_lse(f"{what} lse", lse, lse_ref, lse_lp, q, k, softmax_scale=softmax_scale,
+               rtol=_rtol(mask), softcap=mask.get("softcap"), sinks=mask.get("sinks"))
 
 
 def assert_gradients(what, grads, q, k, v, dout, dlse, *, causal, softmax_scale=None,
@@ -271,6 +306,7 @@ def problem(seed, dtype, batch, sq, sk, heads, heads_kv, head_dim, head_dim_v=No
 @pytest.fixture(scope="session")
 def fa():
     return types.SimpleNamespace(RTOL=RTOL, references=references, assert_rule=assert_rule,
+                                 assert_lse=assert_lse,
                                  assert_attention=assert_attention, normal=normal,
                                  problem=problem,
                                  backward_references=backward_references,

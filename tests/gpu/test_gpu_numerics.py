@@ -96,4 +96,4 @@ def test_forward_matches_reference(fa, dtype, head_dims, causal, sq, sk, b, h):
     blind = max(sq - sk, 0) if causal else 0
     assert bool(_blind_rows_exact(out, lse, blind)), "rows without a visible key: out 0, lse -inf"
     fa.assert_rule("out", out, out_ref, out_lp)
-    fa.assert_rule("lse", lse, lse_ref, lse_lp)
+    fa.assert_lse("lse", lse, lse_ref, lse_lp, q, k)

@@ -1,7 +1,7 @@
 """Softcap's accuracy: the kernels compute tanh with the hardware's approximation
 (tanh.approx.f32, kernels/sm90/softcap.py). Measured here against the float32 reference
 and next to the same call without a cap; docs/performance.md (Feature cells) quotes the
-printed numbers, and the bound below is twice the largest of them."""
+printed numbers, and the bounds below are twice the largest of them."""
 
 import functools
 
@@ -15,6 +15,9 @@ import jax_fa4
 pytestmark = pytest.mark.gpu
 
 LSE_BOUND = 2e-5  # twice the largest max|lse - ref| measured with a cap (docs/performance.md)
+# Twice the largest max|out - ref| measured, with a cap or without (bf16 rounding
+# dominates: 6.5-7.8e-3 with, 7.4-8.1e-3 without; docs/performance.md).
+OUT_BOUND = 1.6e-2
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
@@ -30,3 +33,4 @@ def test_softcap_error(fa, head_dim, softcap):
     print(f"\nsoftcap {softcap} d{head_dim}: max|lse - ref| {lse_err:.2e}, "
           f"max|out - ref| {out_err:.2e}")
     assert np.isfinite(lse_err) and lse_err <= LSE_BOUND
+    assert np.isfinite(out_err) and out_err <= OUT_BOUND
