@@ -316,6 +316,8 @@ _SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm
 # _SEGMENT_TILES', derived from it above) takes it. That build against main's (H200,
 # 2026-11-29, alternated twice in one call), d64 causal 512 / 1k / 2k: 1.023-1.030 /
 # 1.012-1.022 / 1.020-1.021; 8k (the _LONG_BAND tile) and d128 0.998-1.002.
+# Three Q stages on top (H200, 2026-12-02, same method), causal 512 / 1k / 2k:
+# 0.991-0.993 / 0.996-1.004 / 0.998-1.000. Not kept.
 _DYNAMIC_BANDED[64] = dataclasses.replace(_DYNAMIC_BANDED[64], defer_o_read=True)
 
 
@@ -618,7 +620,9 @@ _BWD_TILES = {
     96: BwdTile(m=64, n=128, q_stages=2, late_dv=True),
     128: BwdTile(m=64, n=128, q_stages=2),
     256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
-    # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB.
+    # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB. With three Q
+    # stages (213 KB) its first deterministic backward at 2k did not finish in four
+    # minutes, twice (H200, 2026-12-02; 2.161 ms with two): a hang, not looked into.
     192: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
 }
 
