@@ -621,7 +621,7 @@ _BWD_TILES = {
     128: BwdTile(m=64, n=128, q_stages=2),
     256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
     # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB. With three Q
-    # stages (213 KB) its first deterministic backward at 2k did not finish in four
+    # stages (it compiled) its first deterministic backward at 2k did not finish in four
     # minutes, twice (H200, 2026-12-02; 2.161 ms with two): a hang, not looked into.
     192: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
 }
