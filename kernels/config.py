@@ -514,6 +514,14 @@ class BwdTile:
     def __post_init__(self):
         assert not self.dq_by_rows or (self.m == 64 * self.consumers
                                        and not self.split_head_dim)
+        # A pair's consumer hands step k's dQ sum to its writer warp on the DQ_FULL named
+        # barrier during step k + 1 without waiting (bwd_split._finish_pair); only the
+        # Q ring, whose slots the writer frees, keeps it from arriving twice before the
+        # writer's wait. With two stages the slot it waits for is the writer's last
+        # one; with three it can run a step ahead, the barrier's rounds slip and the
+        # writer waits forever (D 192 / Dv 128 hung so, 2026-12-02); with one, step 1
+        # waits for a slot only step 1's hand-off frees.
+        assert not self.pair or self.q_stages == 2, "2-CTA pairs need q_stages == 2"
 
     @property
     def dq_parts(self) -> int:
@@ -621,8 +629,8 @@ _BWD_TILES = {
     128: BwdTile(m=64, n=128, q_stages=2),
     256: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
     # D 192 / Dv 128: Q 48 + dO 32 + K 24 + V 16 + P^T and dS^T 32 KB. With three Q
-    # stages (it compiled) its first deterministic backward at 2k did not finish in four
-    # minutes, twice (H200, 2026-12-02; 2.161 ms with two): a hang, not looked into.
+    # stages its first deterministic backward at 2k never finished (H200, 2026-12-02):
+    # pairs need two (BwdTile.__post_init__ says why).
     192: BwdTile(m=64, n=64, q_stages=2, split_head_dim=True, pair=True),
 }
 
