@@ -519,8 +519,8 @@ class BwdTile:
         # Q ring, whose slots the writer frees, keeps it from arriving twice before the
         # writer's wait. With two stages the slot it waits for is the writer's last
         # one; with three it can run a step ahead, the barrier's rounds slip and the
-        # writer waits forever (D 192 / Dv 128 hung so, 2026-12-02); with one, step 1
-        # waits for a slot only step 1's hand-off frees.
+        # writer waits forever; with one, step 1 waits for a slot only step 1's hand-off
+        # frees (read from the code; D 192 / Dv 128 with three hung, 2026-12-02).
         assert not self.pair or self.q_stages == 2, "2-CTA pairs need q_stages == 2"
 
     @property

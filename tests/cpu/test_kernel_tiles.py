@@ -22,4 +22,4 @@ def test_pair_tiles_need_two_q_stages(config, q_stages):
     assert pair.pair and pair.q_stages == 2
     with pytest.raises(AssertionError, match="q_stages == 2"):
         dataclasses.replace(pair, q_stages=q_stages)
-    dataclasses.replace(pair, q_stages=q_stages, pair=False)  # 1-CTA tiles take any
+    dataclasses.replace(pair, q_stages=q_stages, pair=False)  # the check is on pairs only

@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
+from jax_fa4 import _api, _paged
 
 pytestmark = pytest.mark.gpu
 
@@ -264,6 +265,7 @@ DECODE_FUNCTIONS = textwrap.dedent("""
 
     @jax.jit
     def decode_in_graph(q, k, v, k_cache, v_cache, lengths, table):
+        # A fusion before the custom calls, so a command buffer can hold them with it.
         q = (q.astype(jnp.float32) * 2).astype(q.dtype)
         split = jax_fa4.attention(q, k, v, kv_lengths=lengths, return_lse=True,
                                   implementation="cute")
@@ -298,8 +300,6 @@ DECODE_SCRIPT = DECODE_FUNCTIONS + textwrap.dedent("""
 
 
 def test_split_and_paged_decode_with_changing_lengths_in_command_buffers(fa, tmp_path):
-    from jax_fa4 import _api, _paged
-
     saved, targets, in_buffers = _run_with_forced_command_buffers(
         DECODE_SCRIPT, "decode_in_graph", tmp_path)
     assert targets == ["jax_fa4_fwd"] * 2, targets

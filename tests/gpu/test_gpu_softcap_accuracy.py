@@ -1,7 +1,7 @@
 """Softcap's accuracy: the kernels compute tanh with the hardware's approximation
 (tanh.approx.f32, kernels/sm90/softcap.py). Measured here against the float32 reference
 and next to the same call without a cap; docs/performance.md (Feature cells) quotes the
-printed numbers, and the bounds below are twice the largest of them."""
+printed numbers, and the bounds below are about twice the largest of them."""
 
 import functools
 
@@ -14,10 +14,10 @@ import jax_fa4
 
 pytestmark = pytest.mark.gpu
 
-LSE_BOUND = 2e-5  # twice the largest max|lse - ref| measured with a cap (docs/performance.md)
+LSE_BOUND = 2e-5  # about twice the largest max|lse - ref| with a cap (docs/performance.md)
 # Twice the largest max|out - ref| measured, with a cap or without (bf16 rounding
-# dominates: 6.5-7.8e-3 with, 7.4-8.1e-3 without; docs/performance.md).
-OUT_BOUND = 1.6e-2
+# dominates: 6.5-7.8e-3 with, 7.4-8.1e-3 without; docs/performance.md), rounded up.
+OUT_BOUND = 1.7e-2
 
 
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
