@@ -32,8 +32,8 @@ Tiles are (tile of tile_m query rows, head, batch), and per split in split varia
 banded grids run the longest tiles first. The tile config's `schedule`
 (kernels/sm90/schedule.py): one CTA per tile, or min(tiles, SMs x ctas_per_sm)
 persistent CTAs that take the tiles in turn, in grid order ("static") or from a
-counter ("dynamic", the producer handing each tile to the consumers through a ring in
-shared memory). Each role loops over its CTA's tiles, and the Q, K and V rings run on
+counter ("dynamic", the producer handing each tile, decoded, to the consumers through a
+ring in shared memory). Each role loops over its CTA's tiles, and the Q, K and V rings run on
 across them, so the next tile's loads overlap this tile's last blocks and epilogue.
 Warpgroup roles:
   0      producer: warp 0 issues TMA for each tile's Q into a q_stages-deep ring, then
@@ -143,22 +143,23 @@ class Scalars:
         self.num_splits = num_splits
 
 
-def _publish(producer, ring, t):
-    """Hand tile index t to the consumers through the next ring slot (every lane of the
-    producer warp writes it and arrives)."""
+def _publish(producer, ring, tile):
+    """Hand grid tile (x, head, batch) to the consumers through the next ring slot
+    (every lane of the producer warp writes it and arrives); x = -1 ends the walk."""
     handle = producer.acquire_and_advance()
-    ring[handle.index] = t
+    for i, value in enumerate(tile):
+        ring[i, handle.index] = value
     handle.commit()
     return producer
 
 
 def _receive(consumer, ring):
-    """The next tile index from the ring (every consumer thread reads it, then frees
-    its share of the slot)."""
+    """The next grid tile from the ring (every consumer thread reads it, then frees its
+    share of the slot)."""
     handle = consumer.wait_and_advance()
-    t = ring[handle.index]
+    x, head, batch = (ring[i, handle.index] for i in range(3))
     handle.release()
-    return consumer, t
+    return consumer, x, head, batch
 
 
 class Walk:
@@ -340,7 +341,7 @@ class FwdSm90:
         fields = dict(
             q_mbar=cute.struct.MemRange[Int64, 2 * self.q_stages],
             tile_mbar=cute.struct.MemRange[Int64, 2 * self.q_stages],
-            tile_ring=cute.struct.MemRange[Int32, self.q_stages],
+            tile_ring=cute.struct.MemRange[Int32, 3 * self.q_stages],
             k_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             v_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             sQ=aligned(dt, sQ_layout), sK=aligned(dt, sK_layout),
@@ -450,7 +451,7 @@ class FwdSm90:
                                                          WARPGROUP * self.consumers),
                 defer_sync=True,
             ).make_participants()
-            tile_ring = storage.tile_ring.get_tensor(cute.make_layout(self.q_stages))
+            tile_ring = storage.tile_ring.get_tensor(cute.make_layout((3, self.q_stages)))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -478,18 +479,20 @@ class FwdSm90:
             if warp == 0:
                 if cutlass.const_expr(self.schedule == "dynamic"):
                     # Longest first, from the block index, then from the counter; the
-                    # ring carries each tile, then the end (an index past the count).
+                    # ring carries each tile decoded (the consumers do no division),
+                    # then the end.
                     order = schedule.pairs_per_group(grid, seqlen_k, self._key_bytes())
                     stride, _, _ = cute.arch.grid_dim()
                     t, _, _ = cute.arch.block_idx()
                     while t < grid.count:
-                        tile_producer = _publish(tile_producer, tile_ring, t)
                         tile = schedule.in_l2_groups(grid, order, t)
+                        tile_producer = _publish(tile_producer, tile_ring, tile)
                         q_producer, k_producer, v_producer = self.load(
                             gmem, smem, self._walk(tile, launch), q_producer, k_producer,
                             v_producer)
                         t = schedule.take_next(mTileCounter.iterator, stride)
-                    tile_producer = _publish(tile_producer, tile_ring, t)
+                    tile_producer = _publish(tile_producer, tile_ring,
+                                             (Int32(-1), Int32(0), Int32(0)))
                 else:
                     first, stride, count = self._share(grid)
                     for i in cutlass.range(count, unroll=1):
@@ -510,16 +513,14 @@ class FwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             c, ctid = wg - 1, tidx % WARPGROUP
             if cutlass.const_expr(self.schedule == "dynamic"):
-                order = schedule.pairs_per_group(grid, seqlen_k, self._key_bytes())
-                tile_consumer, t = _receive(tile_consumer, tile_ring)
+                tile_consumer, x, head, batch = _receive(tile_consumer, tile_ring)
                 done = Int32(0)
-                while t < grid.count:
-                    tile = schedule.in_l2_groups(grid, order, t)
+                while x >= 0:
                     q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
-                        gmem, run, self._walk(tile, launch), smem, q_consumer, k_consumer,
-                        v_consumer, c, ctid, warp, done)
+                        gmem, run, self._walk((x, head, batch), launch), smem, q_consumer,
+                        k_consumer, v_consumer, c, ctid, warp, done)
                     done += 1
-                    tile_consumer, t = _receive(tile_consumer, tile_ring)
+                    tile_consumer, x, head, batch = _receive(tile_consumer, tile_ring)
             else:
                 first, stride, count = self._share(grid)
                 for i in cutlass.range(count, unroll=1):

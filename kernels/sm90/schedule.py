@@ -14,8 +14,8 @@ the split in split variants), then head and batch.
              banded tiles (longest at x = 0: fwd.py reverses them) run in decreasing
              length while their group's K and V stay in L2.
 For "dynamic" the producer warp takes the tiles and hands each to the consumers through
-a ring of tile indices in shared memory, which also carries the end (an index past the
-count).
+a ring in shared memory, decoded to (x, head, batch) so that the consumers' tile starts
+do no integer division; x = -1 ends the walk.
 """
 
 import cutlass
