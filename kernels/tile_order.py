@@ -17,6 +17,19 @@ def in_grid_order(t, extent_x, heads):
     return t - rest * extent_x, rest % heads, rest // heads
 
 
+def grid_step(tile, step, extent_x, heads, select):
+    """Tile `tile` + `step` tiles of the grid flattened with x fastest, both given as
+    (x, head, batch) digits (in_grid_order): added digit by digit with carries, no
+    division. Each digit of step is below its radix, so each carry is 0 or 1.
+    `select(c, a, b)`: a where c else b."""
+    x = tile[0] + step[0]
+    x_carry = x >= extent_x
+    head = tile[1] + step[1] + select(x_carry, 1, 0)
+    h_carry = head >= heads
+    return (select(x_carry, x - extent_x, x), select(h_carry, head - heads, head),
+            tile[2] + step[2] + select(h_carry, 1, 0))
+
+
 def pairs_per_group(pairs, length, position_bytes, mn=min, mx=max):
     """How many of the `pairs` (head, batch) pairs go in one group: as many whose reused
     operands (`length` positions of `position_bytes` bytes: the forward's K and V) fit

@@ -494,12 +494,14 @@ class FwdSm90:
                     tile_producer = _publish(tile_producer, tile_ring,
                                              (Int32(-1), Int32(0), Int32(0)))
                 else:
-                    first, stride, count = self._share(grid)
+                    tile, step, count = self._share(grid)
+                    x, head, batch = tile
                     for i in cutlass.range(count, unroll=1):
-                        tile = self._static_tile(grid, first, stride, i)
                         q_producer, k_producer, v_producer = self.load(
-                            gmem, smem, self._walk(tile, launch), q_producer, k_producer,
-                            v_producer, "qk" if cutlass.const_expr(self.v_warp) else "qkv")
+                            gmem, smem, self._walk((x, head, batch), launch), q_producer,
+                            k_producer, v_producer,
+                            "qk" if cutlass.const_expr(self.v_warp) else "qkv")
+                        x, head, batch = self._next_tile(grid, (x, head, batch), step)
             if cutlass.const_expr(self.v_warp):
                 if warp == 1:
                     tile = cute.arch.block_idx()
@@ -522,12 +524,13 @@ class FwdSm90:
                     done += 1
                     tile_consumer, x, head, batch = _receive(tile_consumer, tile_ring)
             else:
-                first, stride, count = self._share(grid)
+                tile, step, count = self._share(grid)
+                x, head, batch = tile
                 for i in cutlass.range(count, unroll=1):
-                    tile = self._static_tile(grid, first, stride, i)
                     q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
-                        gmem, run, self._walk(tile, launch), smem, q_consumer, k_consumer,
-                        v_consumer, c, ctid, warp, i)
+                        gmem, run, self._walk((x, head, batch), launch), smem, q_consumer,
+                        k_consumer, v_consumer, c, ctid, warp, i)
+                    x, head, batch = self._next_tile(grid, (x, head, batch), step)
             if cutlass.const_expr(self.defer_o_read):
                 # the last tile's O store must have read shared memory before the exit
                 if warp % 4 == 0:
@@ -538,16 +541,16 @@ class FwdSm90:
         return 2 * (self.head_dim + self.head_dim_v)
 
     def _share(self, grid):
-        """(first, stride, count) of this CTA's tiles: "static" takes every stride-th
-        tile of the grid; "tile" its one tile (first unused)."""
+        """(first tile, step, count) of this CTA's tiles: "static" takes every
+        stride-th tile of the grid (schedule.static_share); "tile" its one tile."""
         if cutlass.const_expr(self.schedule == "static"):
             return schedule.static_share(grid)
-        return Int32(0), Int32(0), 1
+        return cute.arch.block_idx(), None, 1
 
-    def _static_tile(self, grid, first, stride, i):
+    def _next_tile(self, grid, tile, step):
         if cutlass.const_expr(self.schedule == "static"):
-            return schedule.in_grid_order(grid, first + i * stride)
-        return cute.arch.block_idx()
+            return schedule.static_next(grid, tile, step)
+        return tile
 
     def _walk(self, tile, launch) -> Walk:
         """The Walk of grid tile (x, head, batch); launch: (run, gmem, the segment

@@ -40,10 +40,20 @@ def in_grid_order(grid: Grid, t):
 
 
 def static_share(grid: Grid):
-    """(first, stride, count): the tiles first + i * stride, i < count, of this CTA."""
+    """(first, step, count): this CTA's tiles are first + i * stride, i < count, in the
+    grid flattened with x fastest; first and step (the stride) as (x, head, batch)
+    digits, which static_next adds, so a tile start does no division."""
     first, _, _ = cute.arch.block_idx()
     stride, _, _ = cute.arch.grid_dim()
-    return first, stride, cute.ceil_div(grid.count - first, stride)
+    return (in_grid_order(grid, first), in_grid_order(grid, stride),
+            cute.ceil_div(grid.count - first, stride))
+
+
+def static_next(grid: Grid, tile, step):
+    """The tile `step` after `tile` (static_share's digits)."""
+    def select(c, a, b):
+        return cutlass.select_(c, Int32(a), Int32(b))
+    return tile_order.grid_step(tile, step, grid.extent_x, grid.heads, select)
 
 
 def pairs_per_group(grid: Grid, length, position_bytes):

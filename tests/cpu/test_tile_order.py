@@ -24,6 +24,25 @@ def test_grid_order_is_x_fastest(extent_x, heads, batch):
 
 
 @pytest.mark.parametrize("extent_x,heads,batch", GRIDS)
+@pytest.mark.parametrize("ctas", (1, 2, 5, 132, 264))
+def test_grid_steps_walk_each_ctas_share(extent_x, heads, batch, ctas):
+    # The "static" schedule: CTA c of `ctas` takes tiles c, c + ctas, ... by adding
+    # the stride's digits, and must meet exactly the tiles the flat index names.
+    count = extent_x * heads * batch
+    stride = min(count, ctas)
+
+    def select(c, a, b):
+        return a if c else b
+
+    step = tile_order.in_grid_order(stride, extent_x, heads)
+    for first in range(stride):
+        tile = tile_order.in_grid_order(first, extent_x, heads)
+        for t in range(first, count, stride):
+            assert tile == tile_order.in_grid_order(t, extent_x, heads)
+            tile = tile_order.grid_step(tile, step, extent_x, heads, select)
+
+
+@pytest.mark.parametrize("extent_x,heads,batch", GRIDS)
 @pytest.mark.parametrize("group", (1, 2, 3, 4, 64))
 def test_l2_groups_permute_the_grid(extent_x, heads, batch, group):
     pairs = heads * batch
