@@ -15,7 +15,10 @@ the split in split variants), then head and batch.
              length while their group's K and V stay in L2.
 For "dynamic" the producer warp takes the tiles and hands each to the consumers through
 a ring in shared memory, decoded to (x, head, batch) so that the consumers' tile starts
-do no integer division; x = -1 ends the walk.
+do no integer division; x = -1 ends the walk. For "static" each CTA steps from tile to
+tile by adding digits (static_next), for the same reason. At 512 tokens a tile's whole
+life is a few microseconds, and those divisions cost d64 causal 4-5% and d64 without a
+mask about 2% there (docs/performance.md, the forward's dynamic schedule).
 """
 
 import cutlass
