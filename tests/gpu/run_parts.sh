@@ -46,7 +46,9 @@
 # side in one call (two pytest processes of 8 workers on its 16 cores) 8.6 minutes each,
 # where one after the other takes about 10.3; heads 3.8, large 0.3. With the forward's
 # decoded tile hand-off (c8b158ac), the same way: core 8.6, features 9.3, heads 5.1,
-# large 0.4.
+# large 0.4. With f815c455 on a freshly started H200, core beside features had reached
+# 97% and 92% when its 10-minute call ended: give core (with large), features and heads
+# a call each.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
