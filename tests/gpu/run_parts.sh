@@ -94,6 +94,7 @@ workers=(-n 8 --dist loadgroup)
 case "$part" in large | multi) workers=() ;; esac
 # A part that finds no GPU or no built module fails: its tests would all skip and pass.
 export JAX_FA4_REQUIRE_NATIVE=1 JAX_FA4_REQUIRE_GPU=1
+# The slowest tests are listed above the summary: where the part's minutes go.
 # shellcheck disable=SC2086  # the file list splits on purpose
 XLA_PYTHON_CLIENT_PREALLOCATE=false exec python3 -m pytest -q -m gpu -p no:cacheprovider \
-  "${workers[@]}" $files "$@"
+  --durations=25 "${workers[@]}" $files "$@"
