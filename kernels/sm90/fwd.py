@@ -866,6 +866,8 @@ class FwdSm90:
                        o_scale=o_scale, c=c, row0=row0, coord_o=coord_o,
                        tiled_r2s=tiled_r2s, sOc=sOc, v_descale=v_descale, smem=smem,
                        ctid=tidx)
+        inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+        lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
 
         if n_end > n_begin:
             self._start_turns(c)
@@ -936,15 +938,18 @@ class FwdSm90:
             v_handle = v_consumer.wait_and_advance()
             _, v_at = self._operands(tiles, None, v_handle)
             wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_at], False)
+            # The row sums and LSE need only the softmax state: they run beside the GEMM.
+            self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
             warpgroup.wait_group(0)
             self._release(v_handle)
             if c == 0:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
-        if cutlass.const_expr(self.defer_o_read):
-            if n_end <= n_begin:  # no GEMM to hide the wait behind
+        if n_end <= n_begin:
+            self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
+            if cutlass.const_expr(self.defer_o_read):  # no GEMM to hide the wait behind
                 self._free_previous_q(q_handle, tiles_before, warp)
-        self.epilogue(tiles, gmem, run, walk, tidx, warp)
+        self.epilogue(tiles, gmem, run, walk, tidx, warp, inv_sum, lse)
         # The Q stage is free once every warp of this consumer is past its last read:
         # the O store's (its issuing warp waited for it), or split variants' last wgmma.
         if cutlass.const_expr(self.split):
@@ -1045,17 +1050,27 @@ class FwdSm90:
             handle.release()
 
     @cute.jit
-    def epilogue(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32, warp: Int32):
-        """O / rowsum and LSE of the walk's tile, to its out_batch (split variants: the
-        partials, or with one split the caller's out and lse)."""
-        acc_o, coord_o, row0 = tiles.acc_o, tiles.coord_o, tiles.row0
-        head, batch, mLSE = walk.head, walk.out_batch, gmem.mLSE
-        inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
-        lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+    def _row_stats(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32,
+                   inv_sum: cute.Tensor, lse: cute.Tensor):
+        """Each row's factor of O (1 / rowsum, times the V descale in float8 variants)
+        into inv_sum and its LSE into lse, which goes to mLSE here except in split
+        variants (their epilogue stores it)."""
         tiles.softmax.finalize(inv_sum, lse)
         if cutlass.const_expr(self.descaled):
             for r in cutlass.range_constexpr(ROWS_PER_THREAD):
                 inv_sum[r] = inv_sum[r] * tiles.v_descale
+        if cutlass.const_expr(not self.split):
+            self._store_lse(tiles.coord_o, tiles.row0, lse, gmem.mLSE, walk.head,
+                            walk.out_batch, run, tidx)
+
+    @cute.jit
+    def epilogue(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32, warp: Int32,
+                 inv_sum: cute.Tensor, lse: cute.Tensor):
+        """O / rowsum of the walk's tile, to its out_batch (split variants: the partials
+        and LSE, or with one split the caller's out and lse); inv_sum and lse from
+        _row_stats."""
+        acc_o, coord_o, row0 = tiles.acc_o, tiles.coord_o, tiles.row0
+        head, batch, mLSE = walk.head, walk.out_batch, gmem.mLSE
         self._rescale(acc_o, inv_sum)
 
         if cutlass.const_expr(self.split):
@@ -1065,7 +1080,6 @@ class FwdSm90:
                 self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
                 self._store_direct(tiles, tiles.acc_o, gmem.o[1], run, walk)
         else:
-            self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
             if cutlass.const_expr(self.fp8):
                 r_o = cute.make_rmem_tensor_like(tiles.acc_o, self.out_dtype)
                 r_o.store(tiles.acc_o.load().to(self.out_dtype))
