@@ -243,6 +243,8 @@ class FwdSm90:
         self.q_registers = cfg.tile.q_registers
         assert not (self.q_registers and self.fp8)
         self.defer_o_read = cfg.tile.defer_o_read
+        # the dynamic ring hands a tile's whole block range (_handoff): no split of it
+        assert not (self.split and self.schedule == "dynamic")
         # the next tile's Q needs a stage of its own; O is staged only through TMA
         assert not self.defer_o_read or (self.q_stages >= 2 and not (self.split or self.fp8))
         # Paged variants (one tile per CTA) load V from a second producer warp: their
