@@ -243,6 +243,7 @@ class FwdSm90:
         self.q_registers = cfg.tile.q_registers
         assert not (self.q_registers and self.fp8)
         self.defer_o_read = cfg.tile.defer_o_read
+        self.early_row_stats = cfg.tile.early_row_stats
         # the dynamic ring hands a tile's whole block range (_handoff): no split of it
         assert not (self.split and self.schedule == "dynamic")
         # the next tile's Q needs a stage of its own; O is staged only through TMA
@@ -940,16 +941,21 @@ class FwdSm90:
             v_handle = v_consumer.wait_and_advance()
             _, v_at = self._operands(tiles, None, v_handle)
             wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_at], False)
-            # The row sums and LSE need only the softmax state: they run beside the GEMM.
-            self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
+            if cutlass.const_expr(self.early_row_stats):
+                # The row sums and LSE need only the softmax state: beside the GEMM.
+                self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
             warpgroup.wait_group(0)
             self._release(v_handle)
             if c == 0:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
-        if n_end <= n_begin:
+        if cutlass.const_expr(self.early_row_stats):
+            if n_end <= n_begin:
+                self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
+        else:
             self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
-            if cutlass.const_expr(self.defer_o_read):  # no GEMM to hide the wait behind
+        if cutlass.const_expr(self.defer_o_read):
+            if n_end <= n_begin:  # no GEMM to hide the wait behind
                 self._free_previous_q(q_handle, tiles_before, warp)
         self.epilogue(tiles, gmem, run, walk, tidx, warp, inv_sum, lse)
         # The Q stage is free once every warp of this consumer is past its last read:
