@@ -71,7 +71,9 @@ class Tile:
     loaded once into registers as the A operand of Q K^T, which then reads only K from
     shared memory (16-bit q only). `defer_o_read` (persistent, q_stages >= 2): a
     tile's O store, staged in its Q buffer, is waited for (and the buffer freed) in the
-    CTA's next tile, once that tile's first GEMM is issued, not at the tile's end."""
+    CTA's next tile, once that tile's first GEMM is issued, not at the tile's end.
+    `early_row_stats`: each row's sum and LSE (and the LSE store) are computed while the
+    tile's last P V GEMM runs, not after waiting for it."""
 
     m: int
     n: int
@@ -83,6 +85,7 @@ class Tile:
     ctas_per_sm: int = 1
     q_registers: bool = False
     defer_o_read: bool = False
+    early_row_stats: bool = False
 
     def __post_init__(self):
         if self.schedule not in SCHEDULES:
@@ -319,6 +322,17 @@ _SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm
 # Three Q stages on top (H200, 2026-12-02, same method), causal 512 / 1k / 2k:
 # 0.991-0.993 / 0.996-1.004 / 0.998-1.000. Not kept.
 _DYNAMIC_BANDED[64] = dataclasses.replace(_DYNAMIC_BANDED[64], defer_o_read=True)
+# Row sums and LSE while the tile's last P V GEMM runs (Tile.early_row_stats), against
+# after its wait (H200, 2026-12-02, alternated twice in one call): 8 packed documents
+# per row of 16k, d64 1.017-1.019, causal 1.016-1.022; d128 1.026-1.027, causal
+# 1.033-1.035. Dense causal 512 / 2k / 8k: d64 0.998-1.005 / 1.002-1.007 / 0.992, d128
+# 0.995-1.012 / 0.995-0.996 / 0.990-0.991, d256 0.999-1.007 throughout; without a mask
+# at 512 / 2k 0.996-1.008. So the segment kernels alone take it, at the head dims
+# measured (d96's and d256's were not).
+_SEGMENT_TILES = {
+    64: dataclasses.replace(_SEGMENT_TILES[64], early_row_stats=True),
+    128: dataclasses.replace(_DYNAMIC_BANDED[128], early_row_stats=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)

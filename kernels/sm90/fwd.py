@@ -143,23 +143,28 @@ class Scalars:
         self.num_splits = num_splits
 
 
-def _publish(producer, ring, tile):
-    """Hand grid tile (x, head, batch) to the consumers through the next ring slot
-    (every lane of the producer warp writes it and arrives); x = -1 ends the walk."""
+# Int32 values a tile of the dynamic schedule takes in the ring (FwdSm90._handoff).
+HANDOFF_FIELDS = 8
+
+
+def _publish(producer, ring, values):
+    """Hand a tile's values (FwdSm90._handoff) to the consumers through the next ring
+    slot (every lane of the producer warp writes them and arrives); x = -1 ends the
+    walk."""
     handle = producer.acquire_and_advance()
-    for i, value in enumerate(tile):
+    for i, value in enumerate(values):
         ring[i, handle.index] = value
     handle.commit()
     return producer
 
 
-def _receive(consumer, ring):
-    """The next grid tile from the ring (every consumer thread reads it, then frees its
-    share of the slot)."""
+def _receive(consumer, ring, fields: int):
+    """The next tile's values from the ring (every consumer thread reads them, then
+    frees its share of the slot)."""
     handle = consumer.wait_and_advance()
-    x, head, batch = (ring[i, handle.index] for i in range(3))
+    values = tuple(ring[i, handle.index] for i in range(fields))
     handle.release()
-    return consumer, x, head, batch
+    return consumer, values
 
 
 class Walk:
@@ -238,6 +243,9 @@ class FwdSm90:
         self.q_registers = cfg.tile.q_registers
         assert not (self.q_registers and self.fp8)
         self.defer_o_read = cfg.tile.defer_o_read
+        self.early_row_stats = cfg.tile.early_row_stats
+        # the dynamic ring hands a tile's whole block range (_handoff): no split of it
+        assert not (self.split and self.schedule == "dynamic")
         # the next tile's Q needs a stage of its own; O is staged only through TMA
         assert not self.defer_o_read or (self.q_stages >= 2 and not (self.split or self.fp8))
         # Paged variants (one tile per CTA) load V from a second producer warp: their
@@ -341,7 +349,7 @@ class FwdSm90:
         fields = dict(
             q_mbar=cute.struct.MemRange[Int64, 2 * self.q_stages],
             tile_mbar=cute.struct.MemRange[Int64, 2 * self.q_stages],
-            tile_ring=cute.struct.MemRange[Int32, 3 * self.q_stages],
+            tile_ring=cute.struct.MemRange[Int32, HANDOFF_FIELDS * self.q_stages],
             k_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             v_mbar=cute.struct.MemRange[Int64, 2 * self.kv_stages],
             sQ=aligned(dt, sQ_layout), sK=aligned(dt, sK_layout),
@@ -451,7 +459,8 @@ class FwdSm90:
                                                          WARPGROUP * self.consumers),
                 defer_sync=True,
             ).make_participants()
-            tile_ring = storage.tile_ring.get_tensor(cute.make_layout((3, self.q_stages)))
+            tile_ring = storage.tile_ring.get_tensor(
+                cute.make_layout((HANDOFF_FIELDS, self.q_stages)))
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
 
@@ -479,20 +488,22 @@ class FwdSm90:
             if warp == 0:
                 if cutlass.const_expr(self.schedule == "dynamic"):
                     # Longest first, from the block index, then from the counter; the
-                    # ring carries each tile decoded (the consumers do no division),
-                    # then the end.
+                    # ring carries each tile with its walk's numbers (_handoff), then
+                    # the end.
                     order = schedule.pairs_per_group(grid, seqlen_k, self._key_bytes())
                     stride, _, _ = cute.arch.grid_dim()
                     t, _, _ = cute.arch.block_idx()
                     while t < grid.count:
                         tile = schedule.in_l2_groups(grid, order, t)
-                        tile_producer = _publish(tile_producer, tile_ring, tile)
+                        walk = self._walk(tile, launch)
+                        tile_producer = _publish(tile_producer, tile_ring,
+                                                 self._handoff(tile, walk))
                         q_producer, k_producer, v_producer = self.load(
-                            gmem, smem, self._walk(tile, launch), q_producer, k_producer,
-                            v_producer)
+                            gmem, smem, walk, q_producer, k_producer, v_producer)
                         t = schedule.take_next(mTileCounter.iterator, stride)
-                    tile_producer = _publish(tile_producer, tile_ring,
-                                             (Int32(-1), Int32(0), Int32(0)))
+                    tile_producer = _publish(
+                        tile_producer, tile_ring,
+                        (Int32(-1),) + (Int32(0),) * (HANDOFF_FIELDS - 1))
                 else:
                     tile, step, count = self._share(grid)
                     x, head, batch = tile
@@ -515,14 +526,18 @@ class FwdSm90:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             c, ctid = wg - 1, tidx % WARPGROUP
             if cutlass.const_expr(self.schedule == "dynamic"):
-                tile_consumer, x, head, batch = _receive(tile_consumer, tile_ring)
+                tile_consumer, values = _receive(tile_consumer, tile_ring, HANDOFF_FIELDS)
+                x, head, batch, n_begin, n_end, masked_end, masked_begin, first = values
                 done = Int32(0)
                 while x >= 0:
                     q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
-                        gmem, run, self._walk((x, head, batch), launch), smem, q_consumer,
-                        k_consumer, v_consumer, c, ctid, warp, done)
+                        gmem, run, self._walk((x, head, batch), launch, (
+                            n_begin, n_end, masked_end, masked_begin, first)), smem,
+                        q_consumer, k_consumer, v_consumer, c, ctid, warp, done)
                     done += 1
-                    tile_consumer, x, head, batch = _receive(tile_consumer, tile_ring)
+                    tile_consumer, values = _receive(tile_consumer, tile_ring,
+                                                     HANDOFF_FIELDS)
+                    x, head, batch, n_begin, n_end, masked_end, masked_begin, first = values
             else:
                 tile, step, count = self._share(grid)
                 x, head, batch = tile
@@ -552,9 +567,19 @@ class FwdSm90:
             return schedule.static_next(grid, tile, step)
         return tile
 
-    def _walk(self, tile, launch) -> Walk:
+    def _handoff(self, tile, walk: Walk):
+        """What the producer hands the consumers for a tile of the dynamic schedule:
+        the tile, decoded, and its walk's block range, and in segment variants the plan
+        row's first entry, so that a consumer's tile start does neither the range's
+        arithmetic nor the plan's global loads (_walk's `planned`)."""
+        first = walk.seg.first if cutlass.const_expr(self.segments) else Int32(0)
+        return tuple(tile) + (walk.n_begin, walk.n_end, walk.masked_end, walk.masked_begin,
+                              first)
+
+    def _walk(self, tile, launch, planned=None) -> Walk:
         """The Walk of grid tile (x, head, batch); launch: (run, gmem, the segment
-        tensors), as `kernel` has them."""
+        tensors), as `kernel` has them; planned: the rest of _handoff's values, when the
+        producer computed them."""
         run, gmem, (mRows, mKeys, mPlan, paged_tensors) = launch
         num_splits = run.num_splits
         tma_q, tma_k = gmem.q[1], gmem.k[1]
@@ -577,12 +602,19 @@ class FwdSm90:
                                 mRows[batch, None, None])
             cache = paged.Cache(mPages[batch, 0, None], tma_k.shape[0], tma_k.shape[3],
                                 kv_head, new)
-        n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
-            m_block, run.seqlen_k, run.band_lo, run.band_hi, self.tile_m, self.tile_n,
-            self.banded
-        )
+        if cutlass.const_expr(planned is None):
+            n_begin, n_end, masked_end, masked_begin = mask.kv_block_range(
+                m_block, run.seqlen_k, run.band_lo, run.band_hi, self.tile_m, self.tile_n,
+                self.banded
+            )
+        else:
+            n_begin, n_end, masked_end, masked_begin = planned[:4]
         seg = None
-        if cutlass.const_expr(self.segments):
+        if cutlass.const_expr(self.segments and planned is not None):
+            seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
+                                 mPlan[batch, m_block, None], run.seqlen_q, count=n_end,
+                                 first=planned[4])
+        elif cutlass.const_expr(self.segments):
             # The plan's blocks replace the band's: visits 0 .. count - 1 (this split's).
             plan_row = mPlan[batch, m_block, None]
             count = plan_row[0]
@@ -837,6 +869,8 @@ class FwdSm90:
                        o_scale=o_scale, c=c, row0=row0, coord_o=coord_o,
                        tiled_r2s=tiled_r2s, sOc=sOc, v_descale=v_descale, smem=smem,
                        ctid=tidx)
+        inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+        lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
 
         if n_end > n_begin:
             self._start_turns(c)
@@ -907,15 +941,23 @@ class FwdSm90:
             v_handle = v_consumer.wait_and_advance()
             _, v_at = self._operands(tiles, None, v_handle)
             wgmma.gemm(self._pv_mma(), acc_o, tOrP, tOrV[None, None, None, v_at], False)
+            if cutlass.const_expr(self.early_row_stats):
+                # The row sums and LSE need only the softmax state: beside the GEMM.
+                self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
             warpgroup.wait_group(0)
             self._release(v_handle)
             if c == 0:
                 self._wait_turn(c)  # the turn the last consumer passed after its last step
 
+        if cutlass.const_expr(self.early_row_stats):
+            if n_end <= n_begin:
+                self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
+        else:
+            self._row_stats(tiles, gmem, run, walk, tidx, inv_sum, lse)
         if cutlass.const_expr(self.defer_o_read):
             if n_end <= n_begin:  # no GEMM to hide the wait behind
                 self._free_previous_q(q_handle, tiles_before, warp)
-        self.epilogue(tiles, gmem, run, walk, tidx, warp)
+        self.epilogue(tiles, gmem, run, walk, tidx, warp, inv_sum, lse)
         # The Q stage is free once every warp of this consumer is past its last read:
         # the O store's (its issuing warp waited for it), or split variants' last wgmma.
         if cutlass.const_expr(self.split):
@@ -1016,17 +1058,27 @@ class FwdSm90:
             handle.release()
 
     @cute.jit
-    def epilogue(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32, warp: Int32):
-        """O / rowsum and LSE of the walk's tile, to its out_batch (split variants: the
-        partials, or with one split the caller's out and lse)."""
-        acc_o, coord_o, row0 = tiles.acc_o, tiles.coord_o, tiles.row0
-        head, batch, mLSE = walk.head, walk.out_batch, gmem.mLSE
-        inv_sum = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
-        lse = cute.make_rmem_tensor((ROWS_PER_THREAD,), Float32)
+    def _row_stats(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32,
+                   inv_sum: cute.Tensor, lse: cute.Tensor):
+        """Each row's factor of O (1 / rowsum, times the V descale in float8 variants)
+        into inv_sum and its LSE into lse, which goes to mLSE here except in split
+        variants (their epilogue stores it)."""
         tiles.softmax.finalize(inv_sum, lse)
         if cutlass.const_expr(self.descaled):
             for r in cutlass.range_constexpr(ROWS_PER_THREAD):
                 inv_sum[r] = inv_sum[r] * tiles.v_descale
+        if cutlass.const_expr(not self.split):
+            self._store_lse(tiles.coord_o, tiles.row0, lse, gmem.mLSE, walk.head,
+                            walk.out_batch, run, tidx)
+
+    @cute.jit
+    def epilogue(self, tiles, gmem: Gmem, run: Scalars, walk: Walk, tidx: Int32, warp: Int32,
+                 inv_sum: cute.Tensor, lse: cute.Tensor):
+        """O / rowsum of the walk's tile, to its out_batch (split variants: the partials
+        and LSE, or with one split the caller's out and lse); inv_sum and lse from
+        _row_stats."""
+        acc_o, coord_o, row0 = tiles.acc_o, tiles.coord_o, tiles.row0
+        head, batch, mLSE = walk.head, walk.out_batch, gmem.mLSE
         self._rescale(acc_o, inv_sum)
 
         if cutlass.const_expr(self.split):
@@ -1036,7 +1088,6 @@ class FwdSm90:
                 self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
                 self._store_direct(tiles, tiles.acc_o, gmem.o[1], run, walk)
         else:
-            self._store_lse(coord_o, row0, lse, mLSE, head, batch, run, tidx)
             if cutlass.const_expr(self.fp8):
                 r_o = cute.make_rmem_tensor_like(tiles.acc_o, self.out_dtype)
                 r_o.store(tiles.acc_o.load().to(self.out_dtype))

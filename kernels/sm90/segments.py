@@ -39,14 +39,16 @@ class Views:
     """One CTA's views of its batch: rows (3, Sq), keys (Sk,), its tile's plan row, Sq,
     and (backward) the number of query tiles, where the plan row's turns start. The
     plan's count and first entry are read up front, together: the first loads of a
-    CTA wait for both. `count` replaces the row's count for a row of `skip_visits`."""
+    CTA wait for both. `count` replaces the row's count for a row of `skip_visits`;
+    `count` and `first` given (both read earlier elsewhere), nothing is read here."""
 
-    def __init__(self, rows, keys, plan_row, seqlen_q, q_tiles=None, count=None):
+    def __init__(self, rows, keys, plan_row, seqlen_q, q_tiles=None, count=None,
+                 first=None):
         self.rows, self.keys, self.plan_row = rows, keys, plan_row
         self.seqlen_q, self.q_tiles = seqlen_q, q_tiles
         # Every plan row has its count and at least one entry (Sk >= 1: one block).
         self.count = plan_row[0] if count is None else count
-        self.first = plan_row[1]
+        self.first = plan_row[1] if first is None else first
 
 
 @cute.jit
