@@ -112,6 +112,9 @@ class Tile:
 #   0.99; d128 1.00 / 1.00 / 1.02 / 0.98-1.09, causal 0.90-1.00 / 1.00 / 1.00 / 1.00;
 #   d256 1.00 / 1.01 / 1.02 / 0.95-0.96, causal 0.98 / 1.00 / 1.01 / 1.01; D 192 / Dv
 #   128 at 16k 1.02-1.04. Kept where no length lost: d64, d128 and 192 / 128 non-causal.
+#   Again in the dynamic causal tiles (_DYNAMIC_BANDED, H200, 2026-12-02, alternated
+#   twice): d64 causal 512 / 1k / 2k 0.97 / 0.94-0.95 / 0.92, 8k 1.00; d128 0.98-1.01.
+#   Still off for causal.
 # exp2 on the FMA units for k of every 8 probabilities (FlashAttention-4's emulation,
 #   commit e77e4be) / MUFU only (H100, 2026-11-25, builds alternated twice in one call),
 #   speed ratio at 2k / 16k: k = 1: d64 0.97 / 0.90-0.98, causal 0.99-1.00 / 1.03; d128

@@ -48,7 +48,8 @@
 # decoded tile hand-off (c8b158ac), the same way: core 8.6, features 9.3, heads 5.1,
 # large 0.4. With f815c455 on a freshly started H200, core beside features had reached
 # 97% and 92% when its 10-minute call ended: give core (with large), features and heads
-# a call each.
+# a call each. The next session, f815c455 one part a call: core 5.3, large 0.4,
+# features 7.1; 5b6c11c0: features 7.2, core 4.4 at 12 workers (`core -n 12`).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
