@@ -28,46 +28,68 @@ SOFTCAP_RTOL = 3.0  # tests/README.md: tanh adds a rounding step the baseline ta
 ATOL = 2 * float(np.finfo(np.float32).eps) * 0.3
 
 
-_STATIC = ("causal", "softmax_scale", "compute_dtype", "alignment", "window", "softcap")
+# Static options; the band (causal, window) is traced (`_band`), so that one shape's
+# references compile once for all the bands a test file tries. softcap stays static: a
+# traced cap rounded the last bits differently.
+_STATIC = ("softmax_scale", "compute_dtype", "alignment", "softcap")
+# A band side that no offset reaches (offsets are under 2**31 - 2**30 in size): it
+# stands for an unbounded side in a traced band.
+UNBOUNDED = 2**30
+
+
+def _band(causal, window):
+    """The band's sides (left, right) as a traced int32 pair, None without a band: the
+    form the jitted references take it in."""
+    left, right = (None, None) if window is None else window
+    right = 0 if causal else right
+    if left is None and right is None:
+        return None
+    return jnp.asarray([UNBOUNDED if left is None else left,
+                        UNBOUNDED if right is None else right], jnp.int32)
+
+
+def _window(band):
+    """`_band`'s pair as the (causal, window) options of the reference functions."""
+    return dict(causal=False, window=None if band is None else (band[0], band[1]))
 
 
 # `segments`: None or a dict of attention's segment ids / lengths arrays (None entries
 # allowed), passed as a traced argument.
 
 
-def _visible(q, k, segments, mask):
+def _visible(q, k, segments, band, alignment):
     """The (B, Sq, Sk) visibility of a call with segment ids or lengths; None without."""
     if not segments:
         return None
-    band = {name: mask[name] for name in ("causal", "alignment", "window")}
-    return _masks.padded(q.shape[-3], k.shape[-3], **band, **segments).mask
+    return _masks.padded(q.shape[-3], k.shape[-3], alignment=alignment, **_window(band),
+                         **segments).mask
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _reference(q, k, v, sinks, segments, *, causal, softmax_scale, compute_dtype, alignment,
-               window, softcap):
-    return reference_attention(q, k, v, causal=causal, softmax_scale=softmax_scale,
+def _reference(q, k, v, sinks, segments, band, *, softmax_scale, compute_dtype, alignment,
+               softcap):
+    return reference_attention(q, k, v, softmax_scale=softmax_scale,
                                compute_dtype=compute_dtype, sinks=sinks, alignment=alignment,
-                               window=window, softcap=softcap, **(segments or {}))
+                               softcap=softcap, **_window(band), **(segments or {}))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
-def _reference_backward(q, k, v, dout, dlse, sinks, segments, *, causal, softmax_scale,
-                        compute_dtype, alignment, window, softcap):
+def _reference_backward(q, k, v, dout, dlse, sinks, segments, band, *, softmax_scale,
+                        compute_dtype, alignment, softcap):
     # With sinks, the FlashAttention backward from the sunk out and lse is still exact
     # for q, k, v: the sink is a key with no value, so D = rowsum(dO * O) - dlse holds.
-    mask = {"causal": causal, "alignment": alignment, "window": window, "softcap": softcap}
+    mask = {"alignment": alignment, "softcap": softcap, **_window(band)}
     out, lse = reference_attention(q, k, v, softmax_scale=softmax_scale,
                                    compute_dtype=compute_dtype, sinks=sinks, **mask,
                                    **(segments or {}))
     return reference_backward(q, k, v, out, lse, dout, dlse, softmax_scale=softmax_scale,
                               compute_dtype=compute_dtype, **mask,
-                              visible=_visible(q, k, segments, mask))
+                              visible=_visible(q, k, segments, band, alignment))
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + ("pieces",))
-def _dv_floor(q, k, v, dout, sinks, segments, *, causal, softmax_scale, compute_dtype,
-              alignment, window, softcap, pieces=1):
+def _dv_floor(q, k, v, dout, sinks, segments, band, *, softmax_scale, compute_dtype,
+              alignment, softcap, pieces=1):
     """dv of the FlashAttention backward computed exactly but for the one rounding the
     algorithm itself makes: P, from float32 S and lse, rounded to compute_dtype before
     dV = P^T dO in float32. dv is the only gradient whose error can come down to that
@@ -83,7 +105,7 @@ def _dv_floor(q, k, v, dout, sinks, segments, *, causal, softmax_scale, compute_
     entries half an ulp is most of the error (4 GPUs, causal window (700, 0): dv up to
     9.4, half an ulp 0.031; the ring measured 0.043 against max|lp - ref| 0.021)."""
     f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-    mask = {"causal": causal, "alignment": alignment, "window": window}
+    mask = {"alignment": alignment, **_window(band)}
     _, lse = reference_attention(*f32[:3], softmax_scale=softmax_scale, sinks=sinks,
                                  softcap=softcap, **mask, **(segments or {}))
     *lead, sq, _, _ = q.shape
@@ -166,12 +188,12 @@ def _backward_references(q, k, v, dout, dlse, *, causal, softmax_scale=None, sin
     the algorithm's own rounding floor (`_dv_floor`; `pieces` > 1 for a ring's pairs)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     f32 = [x.astype(jnp.float32) for x in (q, k, v, dout)]
-    mask = {"causal": causal, "alignment": alignment, "window": window, "softcap": softcap}
-    ref = _reference_backward(*f32, dlse, sinks, segments, softmax_scale=scale,
+    band, mask = _band(causal, window), {"alignment": alignment, "softcap": softcap}
+    ref = _reference_backward(*f32, dlse, sinks, segments, band, softmax_scale=scale,
                               compute_dtype="float32", **mask)
-    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, sinks, segments,
+    lp = _reference_backward(q, k, v, dout.astype(q.dtype), dlse, sinks, segments, band,
                              softmax_scale=scale, compute_dtype=jnp.dtype(q.dtype).name, **mask)
-    floor = _dv_floor(q, k, v, dout, sinks, segments, softmax_scale=scale,
+    floor = _dv_floor(q, k, v, dout, sinks, segments, band, softmax_scale=scale,
                       compute_dtype=jnp.dtype(q.dtype).name, pieces=pieces, **mask)
     err = lambda x: float(jnp.max(jnp.abs(x.astype(jnp.float32) - ref[2])))  # noqa: E731
     return ref, (*lp[:2], max(lp[2], floor, key=err))
@@ -182,10 +204,10 @@ def references(q, k, v, *, causal, softmax_scale=None, sinks=None, alignment="bo
     """-> ((out_ref, lse_ref) float32, (out_lp, lse_lp) in the input dtype's math)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
-    mask = {"causal": causal, "alignment": alignment, "window": window, "softcap": softcap}
-    ref = _reference(*f32, sinks, segments, softmax_scale=scale, compute_dtype="float32",
-                     **mask)
-    lp = _reference(q, k, v, sinks, segments, softmax_scale=scale,
+    band, mask = _band(causal, window), {"alignment": alignment, "softcap": softcap}
+    ref = _reference(*f32, sinks, segments, band, softmax_scale=scale,
+                     compute_dtype="float32", **mask)
+    lp = _reference(q, k, v, sinks, segments, band, softmax_scale=scale,
                     compute_dtype=jnp.dtype(q.dtype).name, **mask)
     return ref, lp
 
