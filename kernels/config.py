@@ -330,10 +330,13 @@ _DYNAMIC_BANDED[64] = dataclasses.replace(_DYNAMIC_BANDED[64], defer_o_read=True
 # per row of 16k, d64 1.017-1.019, causal 1.016-1.022; d128 1.026-1.027, causal
 # 1.033-1.035. Dense causal 512 / 2k / 8k: d64 0.998-1.005 / 1.002-1.007 / 0.992, d128
 # 0.995-1.012 / 0.995-0.996 / 0.990-0.991, d256 0.999-1.007 throughout; without a mask
-# at 512 / 2k 0.996-1.008. So the segment kernels alone take it, at the head dims
-# measured (d96's and d256's were not).
+# at 512 / 2k 0.996-1.008. So the segment kernels alone take it. The d96 and d256 segment
+# kernels with it, against without (H200, 2026-12-02, same method; bench/results/h200/
+# 2026-12-02-ab-fwd-gated-all-causal-rescale.jsonl): documents d96 1.057-1.058, causal
+# 1.055-1.058; d256 0.999-1.002, so d256 goes without.
 _SEGMENT_TILES = {
     64: dataclasses.replace(_SEGMENT_TILES[64], early_row_stats=True),
+    96: dataclasses.replace(_DYNAMIC_BANDED[96], early_row_stats=True),
     128: dataclasses.replace(_DYNAMIC_BANDED[128], early_row_stats=True),
 }
 

@@ -50,6 +50,8 @@
 # 97% and 92% when its 10-minute call ended: give core (with large), features and heads
 # a call each. The next session, f815c455 one part a call: core 5.3, large 0.4,
 # features 7.1; 5b6c11c0: features 7.2, core 4.4 at 12 workers (`core -n 12`).
+# With the references' band traced (87231f66): on one H100 at 8 workers features 4.9,
+# heads 5.3; on one H200 at 12 core 4.1, large 0.3.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
