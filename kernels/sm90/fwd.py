@@ -53,8 +53,10 @@ Warpgroup roles:
          the tile's `defer_o_read` in the CTA's next tile, once its first GEMM is
          issued (_free_previous_q).
 The roles get what they share in holders, as in bwd.py: Gmem (TMA atoms and tensors,
-mLSE), Scalars (the launch's runtime values) and Smem (the shared-memory views), built
-once in `kernel`, and per tile a Walk (its query tile, head, batch and key blocks).
+mLSE), Scalars (the launch's runtime values), Smem (the shared-memory views) and Launch
+(what every tile's walk reads), built once in `kernel`, and per tile a Walk (its query
+tile, head, batch and key blocks; the dynamic schedule's consumers take part of it,
+Planned, from the producer).
 
 Build: kernels/export.py compiles and exports it ahead of time (no GPU needed).
 Test and time it through jax_fa4 on an H100: tests/gpu, bench/.
@@ -165,6 +167,28 @@ def _receive(consumer, ring, fields: int):
     values = tuple(ring[i, handle.index] for i in range(fields))
     handle.release()
     return consumer, values
+
+
+class Launch:
+    """What FwdSm90._walk reads besides the tile, the same for every CTA: the launch's
+    Scalars and Gmem, and the per-batch tensors of segment variants (mRows, mKeys,
+    mPlan: segments.py) and of paged ones (`paged`: mPages, mK, mV, mNewK, mNewV), None
+    in the others."""
+
+    def __init__(self, run, gmem, mRows, mKeys, mPlan, paged):
+        self.run, self.gmem = run, gmem
+        self.mRows, self.mKeys, self.mPlan, self.paged = mRows, mKeys, mPlan, paged
+
+
+class Planned:
+    """What the dynamic schedule's producer computed of a tile's Walk and hands the
+    consumers with it (FwdSm90._handoff): its block range (mask.kv_block_range's
+    n_begin, n_end, masked_end, masked_begin) and, in segment variants, its plan row's
+    first entry (0 in others)."""
+
+    def __init__(self, n_begin, n_end, masked_end, masked_begin, first):
+        self.n_begin, self.n_end = n_begin, n_end
+        self.masked_end, self.masked_begin, self.first = masked_end, masked_begin, first
 
 
 class Walk:
@@ -476,8 +500,7 @@ class FwdSm90:
         run = Scalars(scale_log2, band_lo, band_hi, softcap_scale, seqlen_q, seqlen_k,
                       num_splits)
         smem = Smem(sQ, sK, sV, appended, loads, self._scratch(storage))
-        # What _walk needs besides the tile.
-        launch = (run, gmem, (mRows, mKeys, mPlan, paged_tensors))
+        launch = Launch(run, gmem, mRows, mKeys, mPlan, paged_tensors)
         extent_x = cute.ceil_div(seqlen_q, self.tile_m)
         if cutlass.const_expr(self.split):
             extent_x = extent_x * num_splits
@@ -531,7 +554,7 @@ class FwdSm90:
                 done = Int32(0)
                 while x >= 0:
                     q_consumer, k_consumer, v_consumer = self.mma_softmax_epilogue(
-                        gmem, run, self._walk((x, head, batch), launch, (
+                        gmem, run, self._walk((x, head, batch), launch, Planned(
                             n_begin, n_end, masked_end, masked_begin, first)), smem,
                         q_consumer, k_consumer, v_consumer, c, ctid, warp, done)
                     done += 1
@@ -569,18 +592,17 @@ class FwdSm90:
 
     def _handoff(self, tile, walk: Walk):
         """What the producer hands the consumers for a tile of the dynamic schedule:
-        the tile, decoded, and its walk's block range, and in segment variants the plan
-        row's first entry, so that a consumer's tile start does neither the range's
-        arithmetic nor the plan's global loads (_walk's `planned`)."""
+        the tile, decoded, then its Planned values, so that a consumer's tile start does
+        neither the range's arithmetic nor the plan's global loads (_walk's `planned`)."""
         first = walk.seg.first if cutlass.const_expr(self.segments) else Int32(0)
         return tuple(tile) + (walk.n_begin, walk.n_end, walk.masked_end, walk.masked_begin,
                               first)
 
-    def _walk(self, tile, launch, planned=None) -> Walk:
-        """The Walk of grid tile (x, head, batch); launch: (run, gmem, the segment
-        tensors), as `kernel` has them; planned: the rest of _handoff's values, when the
-        producer computed them."""
-        run, gmem, (mRows, mKeys, mPlan, paged_tensors) = launch
+    def _walk(self, tile, launch: Launch, planned: Planned | None = None) -> Walk:
+        """The Walk of grid tile (x, head, batch); `planned`: what the producer already
+        computed of it (dynamic schedule's consumers)."""
+        run, gmem = launch.run, launch.gmem
+        mRows, mKeys, mPlan = launch.mRows, launch.mKeys, launch.mPlan
         num_splits = run.num_splits
         tma_q, tma_k = gmem.q[1], gmem.k[1]
         bx, head, batch = tile
@@ -594,7 +616,7 @@ class FwdSm90:
         cache = None
         if cutlass.const_expr(self.paged):
             # The cache's rows are pages; the batch's keys are its table's pages in turn.
-            mPages, mK, mV, mNewK, mNewV = paged_tensors
+            mPages, mK, mV, mNewK, mNewV = launch.paged
             kv_head = mask.kv_head(head, tma_q.shape[2], tma_k.shape[2])
             new = paged.NewRows(mNewK[batch, None, kv_head, None],
                                 mNewV[batch, None, kv_head, None],
@@ -608,12 +630,13 @@ class FwdSm90:
                 self.banded
             )
         else:
-            n_begin, n_end, masked_end, masked_begin = planned[:4]
+            n_begin, n_end = planned.n_begin, planned.n_end
+            masked_end, masked_begin = planned.masked_end, planned.masked_begin
         seg = None
         if cutlass.const_expr(self.segments and planned is not None):
             seg = segments.Views(mRows[batch, None, None], mKeys[batch, 0, None],
                                  mPlan[batch, m_block, None], run.seqlen_q, count=n_end,
-                                 first=planned[4])
+                                 first=planned.first)
         elif cutlass.const_expr(self.segments):
             # The plan's blocks replace the band's: visits 0 .. count - 1 (this split's).
             plan_row = mPlan[batch, m_block, None]
