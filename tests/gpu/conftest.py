@@ -40,8 +40,7 @@ UNBOUNDED = 2**30
 def _band(causal, window):
     """The band's sides (left, right) as a traced int32 pair, None without a band: the
     form the jitted references take it in."""
-    left, right = (None, None) if window is None else window
-    right = 0 if causal else right
+    left, right = _masks._band_sides(causal, window)
     if left is None and right is None:
         return None
     return jnp.asarray([UNBOUNDED if left is None else left,
