@@ -14,6 +14,7 @@
         --causal false --page-size 64       # decode over a paged cache (+ jax_fa4_paged,
                                             # and jax_fa4_lengths: the dense cache)
     python -m bench.run --hdims 128 --seqlens 512 --kernels   # and each kernel's time
+    python -m bench.run --hdims 128 --seqlens 512 --flush-l2  # L2 emptied before each call
     python -m bench.run --hdims 128,256 --passes fwd --backends jax_fa4,jax_fa4_fp8,jax_cudnn
                                                           # float8 (e4m3) forward
     python -m bench.run --hdims 128 --seqlens 131072 --seqlen-q 1 --batch 1 --heads 32 \
@@ -62,19 +63,13 @@ def load_anchors():
     return table
 
 
-def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
-            h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None,
-            dv=None, page_size=None, kernels=False):
-    """{"ms", "tflops"} of one pass (h query heads, h_kv key/value heads, default h; a
-    causal sliding window over window_left + 1 keys; scores capped at softcap; rows
-    packed with `documents` equal documents, as segment ids; v and out of head_dim dv,
-    default d; K and V as a cache of page_size pages for the PAGED backends). The
-    backward is timed as a whole vjp (which re-runs the forward) minus `fwd_ms`, the
-    convention of the anchors. (jax.nn's cuDNN path runs an inference forward kernel
-    alone and a training one, which also writes the softmax statistics, in the vjp: its
-    backward carries the difference; `kernels` shows both.) With `kernels`, also
-    "kernels": [(name, ms)] of each GPU kernel of one call (a backward's call is the
-    whole vjp, so its list starts with the forward's kernels)."""
+def cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=None, window_left=None,
+              softcap=None, documents=None, seqlen_q=None, dv=None, page_size=None):
+    """(call, args) of one pass of one backend on one cell (h query heads, h_kv
+    key/value heads, default h; a causal sliding window over window_left + 1 keys;
+    scores capped at softcap; rows packed with `documents` equal documents, as segment
+    ids; v and out of head_dim dv, default d; K and V as a cache of page_size pages for
+    the PAGED backends). A backward's call is the whole vjp, which re-runs the forward."""
     keys = jax.random.split(jax.random.key(0), 4)
     dv = dv or d
     q = jax.random.normal(keys[0], (b, seqlen_q or s, h, d), dtype)
@@ -100,14 +95,30 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
         k, v = (x.astype(jnp.float8_e4m3fn) for x in (k, v))
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
-        call, args = attn, (q, k, v)
-        ms = timer(call, *args, iterations=iterations)
-    else:
-        def call(q, k, v, dout):
-            return jax.vjp(attn, q, k, v)[1](dout)
+        return attn, (q, k, v)
 
-        args = (q, k, v, dout)
-        ms = timer(call, *args, iterations=iterations) - fwd_ms
+    def call(q, k, v, dout):
+        return jax.vjp(attn, q, k, v)[1](dout)
+
+    return call, (q, k, v, dout)
+
+
+def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=None,
+            h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None,
+            dv=None, page_size=None, kernels=False):
+    """{"ms", "tflops"} of one pass of `cell_call`'s cell. The backward is timed as a
+    whole vjp minus `fwd_ms`, the convention of the anchors. (jax.nn's cuDNN path runs an
+    inference forward kernel alone and a training one, which also writes the softmax
+    statistics, in the vjp: its backward carries the difference; `kernels` shows both.)
+    With `kernels`, also "kernels": [(name, ms)] of each GPU kernel of one call (a
+    backward's list starts with the forward's kernels)."""
+    call, args = cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=h_kv,
+                           window_left=window_left, softcap=softcap, documents=documents,
+                           seqlen_q=seqlen_q, dv=dv, page_size=page_size)
+    ms = timer(call, *args, iterations=iterations)
+    if mode != "fwd":
+        ms -= fwd_ms
+    dv = dv or d
     flops = attention_flops(b, h, seqlen_q or s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
                             dv=dv, window_left=window_left, documents=documents or 1)
     result = {"ms": ms, "tflops": flops / ms / 1e9}
@@ -145,6 +156,10 @@ def main():
                     help="comma-separated fwd, bwd, bwd_det (the backwards need fwd)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--flush-l2", action="store_true",
+                    help="empty L2 (a 256 MB read) before every timed call, as in a model "
+                         "where other tensors pass through L2 between two attention calls "
+                         "(timing \"cupti-cold\"); by default calls run back to back")
     ap.add_argument("--kernels", action="store_true",
                     help="also time each GPU kernel of a call (CUPTI): a line per backend "
                          "under each row, and \"kernels\" in the JSON lines")
@@ -189,7 +204,7 @@ def main():
     anchors = load_anchors() if standard else {}
     device = jax.devices()[0].device_kind
     module = _registry.module_md5()  # which build: the native module's md5
-    method, timer = make_timer()
+    method, timer = make_timer(cold=args.flush_l2)
     if args.kernels and method != "cupti":
         ap.error("--kernels needs CUPTI timing, which is unavailable here")
     shape = "".join([f", head_dim of v {args.hdim_v}" if args.hdim_v else "",

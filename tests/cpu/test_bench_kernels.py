@@ -58,3 +58,16 @@ def test_documents_must_divide_every_sequence_length(bench, monkeypatch, capsys)
     with pytest.raises(SystemExit):
         bench[0].main()
     assert "divides every --seqlens" in capsys.readouterr().err
+
+
+def test_cold_timing_leaves_out_the_l2_flush(bench, monkeypatch):
+    """--flush-l2: the 256 MB read's kernels (named by timing the read alone) are taken
+    out of the call's kernels wherever XLA placed them; the rest are summed."""
+    timing = bench[1]
+    runs = iter([
+        [("input_reduce_fusion", 0.05)],  # the read alone
+        [("loop_broadcast_fusion", 0.001), ("input_reduce_fusion", 0.05),
+         ("kernel_kernelssm90fwdFwdSm90", 0.1)],
+    ])
+    monkeypatch.setattr(timing, "kernel_times", lambda fn, *args, iterations: next(runs))
+    assert timing.cold_cupti_ms(lambda q: q, 1.0, iterations=5) == pytest.approx(0.101)
