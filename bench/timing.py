@@ -6,6 +6,7 @@ attached, a plugin without Mosaic GPU), `make_timer` falls back to the wall cloc
 back-to-back calls and says so: the method is recorded with every measurement.
 """
 
+import collections
 import statistics
 import time
 
@@ -50,17 +51,23 @@ def cold_cupti_ms(fn, *args, iterations):
     (as in a model, where other layers' tensors pass through L2 between two calls of
     one attention); back-to-back calls of the same inputs find part of them in L2."""
     flush = jnp.ones((FLUSH_BYTES // 2,), jnp.bfloat16)
-    flush_kernels = [name for name, _ in kernel_times(jnp.max, flush, iterations=2)]
+    own = collections.Counter(name for name, _ in kernel_times(fn, *args, iterations=2))
 
     def flushed(flush, *args):
         # The call's inputs wait for the read, so that fn's kernels on them run after it.
         args, _ = jax.lax.optimization_barrier((args, jnp.max(flush)))
         return fn(*args)
 
-    times = kernel_times(flushed, flush, *args, iterations=iterations)
-    for name in flush_kernels:  # the read's kernels are not fn's
-        times.remove(next(t for t in times if t[0] == name))
-    return sum(ms for _, ms in times)
+    # fn's kernels, by name, from the end (after the read; XLA names the read's
+    # kernels as it likes, and one may share a name with one of fn's).
+    total, left = 0.0, own.copy()
+    for name, ms in reversed(kernel_times(flushed, flush, *args, iterations=iterations)):
+        if left[name] > 0:
+            left[name] -= 1
+            total += ms
+    if +left:
+        raise RuntimeError(f"kernels of the call not found after the L2 read: {dict(+left)}")
+    return total
 
 
 def _wall_ms(fn, *args, iterations):

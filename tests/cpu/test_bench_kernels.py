@@ -60,14 +60,23 @@ def test_documents_must_divide_every_sequence_length(bench, monkeypatch, capsys)
     assert "divides every --seqlens" in capsys.readouterr().err
 
 
-def test_cold_timing_leaves_out_the_l2_flush(bench, monkeypatch):
-    """--flush-l2: the 256 MB read's kernels (named by timing the read alone) are taken
-    out of the call's kernels wherever XLA placed them; the rest are summed."""
+def test_cold_timing_keeps_the_calls_own_kernels(bench, monkeypatch):
+    """--flush-l2: of the flushed call's kernels, those of the call alone (by name, from
+    the end: the 256 MB read runs first and may share a name with one of them) are
+    summed; the read's are left out."""
     timing = bench[1]
     runs = iter([
-        [("input_reduce_fusion", 0.05)],  # the read alone
-        [("loop_broadcast_fusion", 0.001), ("input_reduce_fusion", 0.05),
+        [("loop_reduce_fusion", 0.002), ("kernel_kernelssm90fwdFwdSm90", 0.1)],  # alone
+        [("loop_reduce_fusion", 0.05), ("loop_reduce_fusion", 0.003),
          ("kernel_kernelssm90fwdFwdSm90", 0.1)],
     ])
     monkeypatch.setattr(timing, "kernel_times", lambda fn, *args, iterations: next(runs))
-    assert timing.cold_cupti_ms(lambda q: q, 1.0, iterations=5) == pytest.approx(0.101)
+    assert timing.cold_cupti_ms(lambda q: q, 1.0, iterations=5) == pytest.approx(0.103)
+
+
+def test_cold_timing_refuses_a_call_it_cannot_find(bench, monkeypatch):
+    timing = bench[1]
+    runs = iter([[("kernel_kernelssm90fwdFwdSm90", 0.1)], [("input_reduce_fusion", 0.05)]])
+    monkeypatch.setattr(timing, "kernel_times", lambda fn, *args, iterations: next(runs))
+    with pytest.raises(RuntimeError, match="not found"):
+        timing.cold_cupti_ms(lambda q: q, 1.0, iterations=5)
