@@ -136,7 +136,8 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
 
 
 # Keys a row of a band sees, from which dense banded calls take the long-band tile
-# (kernels/config.py _LONG_BAND: 192 rows at d64). Against the 128-row tile, d64 causal
+# (kernels/config.py _LONG_BAND: 192 rows at d64, 80-key blocks at d256, where shorter
+# bands take 64-key ones). Against the 128-row tile, d64 causal
 # (H100, 2026-11-27, alternated twice in one call): 1.06x at 4k keys, 1.13-1.19x at 8k
 # and 16k, level at 2k, 0.85-0.87x at 512 and 1k; a window of 1024 keys 0.93x.
 LONG_BAND_KEYS = 4096

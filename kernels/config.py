@@ -297,9 +297,20 @@ _DYNAMIC_BANDED = {
 # 0.99-1.005 at 2k, 0.85-0.86 at 1k, 0.86-0.87 at 512; a window of 1024 at 2k and 16k
 # 0.93. With ping-pong on: 1.09 / 1.12 at 8k / 16k, 0.93 at 2k. Packed documents (the
 # segment kernels, which spill at 192 rows) 0.69-0.92: built for dense calls only.
-LONG_BAND_HEAD_DIMS = (64,)
-_LONG_BAND = {head_dim: dataclasses.replace(_DYNAMIC_BANDED[head_dim], m=192)
-              for head_dim in LONG_BAND_HEAD_DIMS}
+# d256 with 80-key blocks, where shorter bands take 64 (below).
+LONG_BAND_HEAD_DIMS = (64, 256)
+_LONG_BAND = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=192), 256: _DYNAMIC_BANDED[256]}
+# d256 with 64-key blocks (Q 64 + K and V 2 x 64 KB), whose 128-row tiles' band edges
+# fall on block edges, against 80 keys (Q 64 + 2 x 80 KB). n=64 for every band (H200,
+# 2026-12-03, alternated twice in one call), causal 512 / 1k / 2k / 8k: 1.037-1.050 /
+# 1.031 / 1.010-1.012 / 0.994; under ncu (512, causal) 102.8 against 107.6 us, 25.0
+# against 26.0 million instructions. So rows that see fewer than LONG_BAND_KEYS keys
+# take 64 and longer ones keep 80 (_LONG_BAND); that build against main's module
+# 87231f66 (same method; bench/results/h200/2026-12-03-ab-fwd-d256-n64.jsonl): causal
+# 512 / 1k / 2k 1.034-1.046 / 1.026-1.033 / 1.010-1.014, 4k / 8k / 16k (the long band)
+# 0.999-1.002; eight packed documents per row of 4k / 16k (the segment kernels take 64
+# too) 1.133-1.136 / 1.011-1.012, causal 1.115-1.122 / 1.025-1.027.
+_DYNAMIC_BANDED[256] = dataclasses.replace(_DYNAMIC_BANDED[256], n=64)
 # Segment kernels (not split, not paged) per head dim, where they differ from
 # _DYNAMIC_BANDED: d64 with 64-row tiles, two persistent CTAs per SM (one consumer
 # warpgroup each, 80 KB of shared memory). Against _DYNAMIC_BANDED's 128 rows, one CTA

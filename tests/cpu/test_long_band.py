@@ -34,7 +34,9 @@ def _plan(sq, sk, d=64, heads=(16, 16), dtype=jnp.bfloat16, arrays=(), **options
     (LONG - 128, LONG - 128, 64, {}, False),        # below it
     (1024, 4 * LONG, 64, {}, True),                 # a chunk of queries over many keys
     (LONG, LONG, 64, {"dtype": jnp.float16}, True),
-    (LONG, LONG, 128, {}, False),                   # built at head_dim 64 only
+    (LONG, LONG, 128, {}, False),                   # built at head_dim 64 and 256
+    (LONG, LONG, 256, {}, True),
+    (LONG - 128, LONG - 128, 256, {}, False),
     (LONG, LONG, 32, {}, True),                     # zero-padded to 64's kernels
     (LONG, LONG, 64, {"causal": False}, False),     # no band: the full kernel
     (LONG, LONG, 64, {"window": (1024, 0)}, False),  # rows see 1025 keys

@@ -1,11 +1,12 @@
-"""The long-band tile (the head_dim 64 banded kernel with 192-row tiles that dense
-banded calls take where rows may see LONG_BAND_KEYS keys or more; jax_fa4/_path.py
-with_long_band) with the rule of tests/README.md: out and lse against the float32
-reference, and dq, dk, dv of one case per dtype (the backward is the banded kernel's
-own; its inputs, out and lse, come from the long-band forward). Each case first checks
-that the call takes that tile, so no case can pass on the 128-row kernel. Sizes put
-band edges inside 192-row tiles and 128-key blocks, leave rows that see no key, and
-cross the dynamic schedule's tile order with GQA and sinks."""
+"""The long-band tiles (the banded kernels that dense banded calls take where rows may
+see LONG_BAND_KEYS keys or more; jax_fa4/_path.py with_long_band: head_dim 64 with
+192-row tiles, 256 with 80-key blocks) with the rule of tests/README.md: out and lse
+against the float32 reference, and dq, dk, dv of one case per dtype (the backward is the
+banded kernel's own; its inputs, out and lse, come from the long-band forward). Each
+case first checks that the call takes that tile, so no case can pass on the shorter
+bands' kernel. Sizes put band edges inside 192-row tiles and 128- and 80-key blocks,
+leave rows that see no key, and cross the dynamic schedule's tile order with GQA and
+sinks."""
 
 import functools
 import itertools
@@ -50,6 +51,8 @@ CASES = [_case(dtype, 64, band, heads, False)
 CASES += [_case(dtype, d, BANDS[0], (4, 2), sinks)
           for dtype, d, sinks in (("bfloat16", 64, True), ("float16", 64, True),
                                   ("bfloat16", 32, False))]
+CASES += [_case(dtype, 256, band, (4, 2), dtype == "float16" and band is BANDS[0])
+          for dtype, band in itertools.product(("bfloat16", "float16"), BANDS)]
 
 
 def _takes_long_band(q, k, v, band, sinks):
