@@ -225,14 +225,14 @@ def test_manifest_matches_kernel_config(expected_manifest):
     # 40 split forwards, 24 paged ones (segment variants, head dims 64, 128, 256), 6
     # float8 ones (head dims 64, 128, 256, full and banded), 9 float8-KV ones (split:
     # dense, segments, paged; head dims 64, 128, 256), 6 keys-as-M split tiles (bf16
-    # and float8 K/V at head dim 128; dense, segments, paged), 2 long-band tiles (bf16
-    # and fp16 at head dim 64)
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (137, 50)
+    # and float8 K/V at head dim 128; dense, segments, paged), 4 long-band tiles (bf16
+    # and fp16 at head dims 64 and 256)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (139, 50)
     assert sum(entry["dtype"] == "e4m3" for entry in expected_manifest) == 6
     assert sum(entry["kv_dtype"] == "e4m3" != entry["dtype"]
                for entry in expected_manifest) == 12
     assert sum(entry.get("keys_as_m", False) for entry in expected_manifest) == 6
-    assert sum(entry.get("long_band", False) for entry in expected_manifest) == 2
+    assert sum(entry.get("long_band", False) for entry in expected_manifest) == 4
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):
