@@ -3,7 +3,8 @@
     python -m bench.ncu --hdim 128 --seqlen 512 --causal true            # forward
     python -m bench.ncu --hdim 128 --seqlen 16384 --causal false --pass bwd
 
-Runs itself under `ncu` (clocks left alone, as bench.run's CUPTI times are taken):
+Runs itself under `ncu` (clocks left alone, as bench.run's CUPTI times are taken; caches
+flushed before each kernel, ncu's default):
 each backend's call is compiled and warmed up outside the profiled range, then one
 call per backend is profiled (every kernel it launches; a backward's call is the
 whole vjp, so its forward kernels come first). Writes `$OUT/ncu-<cell>.ncu-rep` and
