@@ -30,6 +30,8 @@ out=${OUT:-build/ab-out}
 mkdir -p "$out"
 keep=$(mktemp -d)
 cp -r jax_fa4 "$keep/"
+# The checkout's own jax_fa4 back, also after a failed run: later commands use it.
+trap 'rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"' EXIT
 for rep in 1 2; do
   for build in $builds; do
     label=${build%%=*}
@@ -40,9 +42,15 @@ for rep in 1 2; do
     cp "$dir/_ffi.abi3.so" jax_fa4/_ffi.abi3.so
     echo "== $label rep $rep"
     rm -f "$out/$label-$rep.jsonl"
-    "${run[@]}" "$@" "$record" "$out/$label-$rep.jsonl" \
-      > "$out/$label-$rep.txt" 2>&1 || { tail -n 20 "$out/$label-$rep.txt"; exit 1; }
+    # A build that hangs (a new kernel's pipeline, say) fails after AB_TIMEOUT seconds
+    # (default 300), not at the end of the device call.
+    timeout "${AB_TIMEOUT:-300}" "${run[@]}" "$@" "$record" "$out/$label-$rep.jsonl" \
+      > "$out/$label-$rep.txt" 2>&1 || {
+        status=$?
+        tail -n 20 "$out/$label-$rep.txt"
+        echo "$label rep $rep failed: exit $status (124: timed out)"
+        exit 1
+      }
   done
 done
-rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"
 tar -cf "$out.tar" -C "$out" .
