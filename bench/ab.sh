@@ -8,6 +8,7 @@
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #
+# Each run is stopped after AB_TIMEOUT seconds (default 300; raise it for long runs).
 # Writes $OUT/<label>-<rep>.jsonl (and .txt) for rep 1, 2, and all of them again in one
 # file, $OUT.tar (a device call brings back 8 files: put its OUT folders one level below
 # its $OUT, and the tars come back first). With --generate after the
