@@ -235,7 +235,15 @@ _TILES = {
 #   (16k). Taken for every head dim: d64's and d256's losses are at 2k documents
 #   without a mask, d64's gain at 512-token documents is larger.
 #   d256 at 512 tokens runs 9% slower (one Q buffer: the next tile's Q cannot land
-#   early), taken for the gain from 2k to 8k. Before
+#   early), taken for the gain from 2k to 8k. Freeing that buffer early did not help:
+#   O stored from registers (32-bit stores, no staging in the Q buffer) with the Q
+#   stage released after the tile's last Q K^T GEMM, here at d256 and (one Q stage,
+#   three K/V stages) at d128, and in a static persistent d256 tile without a mask
+#   (branch fwd-direct-o, H200, 2026-12-03, alternated twice in one call), 512 / 1k /
+#   2k / 8k: d256 0.87-0.88 / 0.91 / 0.95 / 0.98, causal 0.84 / 0.91 / 0.95 / 0.99;
+#   d128 0.79 / 0.87 / 0.93 / 0.98, causal 0.76-0.82 / 0.85 / 0.91 / 0.97; with
+#   conditional rescaling on top at d256, causal 0.84-0.87 / 0.91-0.92 / 0.97 / 1.00.
+#   Before
 #   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
 #   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
