@@ -16,8 +16,8 @@
 #
 # Extra arguments go to pytest. Workers: 12 (at most 3/4 of the cores; WORKERS
 # overrides: 8 where GPU memory is short). The latest times, one part a device call
-# (87231f66, 2026-12-02): one H100 at 8 workers, features 4.9 minutes, heads 5.3; one
-# H200 at 12, core 4.1, large 0.3. Every earlier time: tests/README.md, Part times.
+# (67113153, 2026-12-03, one H200 at 12 workers): core 4.0 minutes, large 0.3, features
+# 4.9, heads 5.4. Every earlier time: tests/README.md, Part times.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
