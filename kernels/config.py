@@ -243,9 +243,8 @@ _TILES = {
 #   2k / 8k: d256 0.87-0.88 / 0.91 / 0.95 / 0.98, causal 0.84 / 0.91 / 0.95 / 0.99;
 #   d128 0.79 / 0.87 / 0.93 / 0.98, causal 0.76-0.82 / 0.85 / 0.91 / 0.97; with
 #   conditional rescaling on top at d256, causal 0.84-0.87 / 0.91-0.92 / 0.97 / 1.00.
-#   Before
-#   _start_turns the ping-pong order hung after 1 to 13 back-to-back d128 causal 512
-#   calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
+#   Before _start_turns the ping-pong order hung after 1 to 13 back-to-back d128
+#   causal 512 calls; with it, or with ping-pong off, 30 calls one by one and 60 in flight
 #   finished, twice each (tests/gpu/test_gpu_back_to_back.py runs both patterns).
 #   Also measured (H100, 2026-11-27, alternated twice in one call) and not kept:
 #   ping-pong on in this d64 tile, causal 512 / 1k / 2k 0.97 / 0.97-0.98 / 0.99-1.00;
