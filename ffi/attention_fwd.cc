@@ -32,8 +32,8 @@
 // descale table (3, Hkv) float32: 1, then k's and v's descale of each K/V head.
 // keys_as_m (bool, with split_kernel) selects the split kernel's decode tile, whose
 // tile_m query rows are the wgmma's N (kernels/sm90/fwd_keys_m.py), where one was built.
-// long_band (bool, banded without split, segments or pages) selects the banded kernel's
-// taller tile for bands whose rows see many keys, where one was built.
+// long_rows (bool, without split, segments or pages) selects the tile for rows that see
+// many keys, banded or not, where one was built.
 //
 // Stages: INITIALIZE checks the device and loads the selected kernel's module onto it
 // (once per process and device, outside any CUDA-graph capture); EXECUTE only launches
@@ -142,7 +142,7 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                 const ffi::AnyBuffer& v, bool banded, float softcap,
                                 bool segments, bool split, int32_t num_splits,
                                 int64_t max_pages, bool kv_float8, bool keys_as_m,
-                                bool long_band) {
+                                bool long_rows) {
   auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions();
   const std::string shapes = Describe(q, k, v);
   const bool paged = max_pages > 0;
@@ -195,13 +195,13 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        "> 0 only with the banded kernel");
   if (num_splits < 1 || num_splits > kMaxSplits || (num_splits > 1 && !split) ||
       (split && !banded) || (keys_as_m && !split) ||
-      (long_band && (!banded || split || segments)))
+      (long_rows && (split || segments)))
     return ffi::Error::InvalidArgument("jax_fa4_fwd: num_splits must be in [1, " +
                                        std::to_string(kMaxSplits) +
                                        "], > 1 only with split_kernel, which needs the "
                                        "banded kernel, as keys_as_m needs split_kernel; "
-                                       "long_band needs the banded kernel without split "
-                                       "or segments");
+                                       "long_rows needs a call without split or "
+                                       "segments");
   KernelKey key{*dtype, kv_dtype, static_cast<int>(p.head_dim),
                 static_cast<int>(p.head_dim_v)};
   key.banded = banded;
@@ -210,7 +210,7 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
   key.split = split;
   key.paged = paged;
   key.keys_as_m = keys_as_m;
-  key.long_band = long_band;
+  key.long_rows = long_rows;
   p.kernel = FindFwdKernel(key);
   if (p.kernel == nullptr)
     return ffi::Error::InvalidArgument(std::string("jax_fa4_fwd: no kernel built for dtype ") +
@@ -223,7 +223,7 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
                                        (split ? ", split" : "") +
                                        (paged ? ", paged" : "") +
                                        (keys_as_m ? ", keys as M" : "") +
-                                       (long_band ? ", long band" : "") + ": " + shapes);
+                                       (long_rows ? ", long rows" : "") + ": " + shapes);
   return p;
 }
 
@@ -232,14 +232,14 @@ ffi::ErrorOr<FwdProblem> Select(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k
 ffi::ErrorOr<FwdProblem> SelectCall(const ffi::AnyBuffer& q, const ffi::AnyBuffer& k,
                                     const ffi::AnyBuffer& v, const ffi::RemainingArgs& rest,
                                     bool banded, float softcap, bool split, int32_t num_splits,
-                                    bool kv_float8, bool keys_as_m, bool long_band) {
+                                    bool kv_float8, bool keys_as_m, bool long_rows) {
   if (kv_float8 && rest.size() == 0)
     return ffi::Error::InvalidArgument("jax_fa4_fwd: kv_float8 needs the descale operand");
   const size_t given = rest.size() - (kv_float8 ? 1 : 0);
   auto max_pages = MaxPages(rest, given);
   if (max_pages.has_error()) return max_pages.error();
   auto problem = Select(q, k, v, banded, softcap, given > 0, split, num_splits, *max_pages,
-                        kv_float8, keys_as_m, long_band);
+                        kv_float8, keys_as_m, long_rows);
   if (problem.has_error()) return problem.error();
   FwdProblem p = *problem;
   p.given = given;
@@ -252,9 +252,9 @@ ffi::Error FwdInitialize(int32_t device, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
                          int32_t /*window_right*/, bool /*top_left*/, float softcap,
                          bool split_kernel, int32_t num_splits,
                          int32_t /*unpack_group*/, bool /*q_heads_as_rows*/, bool kv_float8,
-                         bool keys_as_m, bool long_band) {
+                         bool keys_as_m, bool long_rows) {
   auto problem = SelectCall(q, k, v, segments, banded, softcap, split_kernel, num_splits,
-                            kv_float8, keys_as_m, long_band);
+                            kv_float8, keys_as_m, long_rows);
   if (problem.has_error()) return problem.error();
   return CheckDeviceAndLoad("jax_fa4_fwd", *problem->kernel, device);
 }
@@ -269,9 +269,9 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                       float softmax_scale, int32_t window_left, int32_t window_right,
                       bool top_left, float softcap, bool split_kernel,
                       int32_t num_splits, int32_t unpack_group, bool q_heads_as_rows,
-                      bool kv_float8, bool keys_as_m, bool long_band) {
+                      bool kv_float8, bool keys_as_m, bool long_rows) {
   auto problem = SelectCall(q, k, v, segment_args, banded, softcap, split_kernel,
-                            num_splits, kv_float8, keys_as_m, long_band);
+                            num_splits, kv_float8, keys_as_m, long_rows);
   if (problem.has_error()) return problem.error();
   FwdProblem p = *problem;
   const size_t given = p.given;
@@ -400,7 +400,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdInitialize, jax_fa4::FwdInitialize,
                                   .Attr<bool>("q_heads_as_rows")     // unused here
                                   .Attr<bool>("kv_float8")           // selects the kernel
                                   .Attr<bool>("keys_as_m")           // selects the kernel
-                                  .Attr<bool>("long_band"));         // selects the kernel
+                                  .Attr<bool>("long_rows"));         // selects the kernel
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                               ffi::Ffi::Bind()
@@ -430,5 +430,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxFa4FwdExecute, jax_fa4::FwdExecute,
                                   .Attr<bool>("q_heads_as_rows")
                                   .Attr<bool>("kv_float8")
                                   .Attr<bool>("keys_as_m")
-                                  .Attr<bool>("long_band"),
+                                  .Attr<bool>("long_rows"),
                               {ffi::Traits::kCmdBufferCompatible});

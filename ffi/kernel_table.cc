@@ -113,7 +113,7 @@ const Kernel<Args>* Find(const Kernel<Args>* table, int n, const KernelKey& key)
         k.head_dim_v == key.head_dim_v && k.banded == key.banded &&
         k.softcap == key.softcap && k.segments == key.segments && k.split == key.split &&
         k.paged == key.paged && k.keys_as_m == key.keys_as_m &&
-        k.long_band == key.long_band)
+        k.long_rows == key.long_rows)
       return &k;
   }
   return nullptr;

@@ -145,7 +145,7 @@ struct Kernel {
   bool dynamic;   // forward "dynamic" schedule: takes tiles from FwdArgs::tile_counter,
                   // which the handler zeroes before the launch
   bool keys_as_m;  // forward split decode tile: keys as the wgmma's M, tile_m rows as N
-  bool long_band;  // forward banded tile for bands whose rows see many keys
+  bool long_rows;  // forward tile for rows that see many keys
   int tile_m;
   int tile_n;
   int ctas_per_sm;  // CTAs resident on one SM (kernels/config.py Tile)
@@ -166,7 +166,7 @@ const char* DtypeName(Dtype dtype);
 
 // The static choices that name a kernel (kernels/config.py), as a call asks for one:
 // the dtypes and head dims, then the variant flags by name (split, paged, keys_as_m and
-// long_band are the forward's).
+// long_rows are the forward's).
 struct KernelKey {
   Dtype dtype;
   Dtype kv_dtype;
@@ -178,7 +178,7 @@ struct KernelKey {
   bool split = false;
   bool paged = false;
   bool keys_as_m = false;
-  bool long_band = false;
+  bool long_rows = false;
 };
 
 // nullptr when no kernel was built for this key.

@@ -46,7 +46,7 @@ void AppendEntries(nb::list& kernels, const jax_fa4::Kernel<Args>* table, int n,
     e["split"] = k.split;
     e["paged"] = k.paged;
     e["keys_as_m"] = k.keys_as_m;
-    e["long_band"] = k.long_band;
+    e["long_rows"] = k.long_rows;
     e["tile_m"] = k.tile_m;
     e["tile_n"] = k.tile_n;
     e["ctas_per_sm"] = k.ctas_per_sm;

@@ -159,7 +159,7 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
         if spec.path != "reference":
             _kv_float8.warn_dequantized(_kernel_select.kernel_support(
                 dataclasses.replace(spec, kv_float8=True, split_kernel=True,
-                                    long_band=False))[1]
+                                    long_rows=False))[1]
                 or "no Hopper GPU for the kernels")
         out, lse = _run(spec, q, *_kv_float8.dequantized(k, v, table), **arrays)
     return _float8.undefined_heads(out, lse, table)
@@ -276,7 +276,7 @@ def supports(q, k, v, **kwargs) -> Support:
 def kernels() -> list[dict]:
     """The compiled kernels (name, kind, arch, dtype, kv_dtype (of k and v), head_dim,
     head_dim_v, banded, softcap, segments, split, paged, keys_as_m (the split forwards'
-    decode tile), long_band (the banded forwards' tile for rows that see many keys),
+    decode tile), long_rows (the dense forwards' tile for rows that see many keys),
     tile_m, tile_n, ctas_per_sm, and dq_parts for backward kernels); [] when the native
     module is not built."""
     return _registry.manifest()

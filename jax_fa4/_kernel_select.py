@@ -1,7 +1,7 @@
 """Which compiled kernel runs an `AttentionSpec`, and whether one can.
 
 The spec names the variant it needs (dtype, head dims, `banded`, softcap,
-`segment_kernel`, `split_kernel`, `paged`, `kv_float8`, `keys_as_m`, `long_band`);
+`segment_kernel`, `split_kernel`, `paged`, `kv_float8`, `keys_as_m`, `long_rows`);
 this module looks it up in the manifest of the kernels that were built
 (`_registry`): the head dims the kernels run it at, the forward and backward
 kernels' manifest entries (name, tiles), and the reason when no kernel takes it. The
@@ -40,9 +40,9 @@ def kernel_head_dims(spec: AttentionSpec) -> tuple[int, int] | None:
     if kernel_dtype(spec) is None:
         return None
     built = {_registry.head_dims(e) for e in _registry.manifest()}
-    # The keys-as-M and long-band tiles stand in for the split and banded tiles at
+    # The keys-as-M and long-row tiles stand in for the split and dense tiles at
     # those tiles' head dims.
-    variant = dataclasses.replace(spec, keys_as_m=False, long_band=False)
+    variant = dataclasses.replace(spec, keys_as_m=False, long_rows=False)
     fits = [(d + dv, d, dv) for d, dv in built
             if d >= spec.head_dim and dv >= spec.head_dim_v
             and _find(variant, "fwd", (d, dv)) is not None]
@@ -118,4 +118,4 @@ def _find(spec: AttentionSpec, kind: str, dims: tuple[int, int] | None = None) -
     return _registry.find_kernel(kind, kernel_dtype(spec), dims, spec.banded or split,
                                  spec.softcap is not None, spec.segment_kernel, split, paged,
                                  KV_FLOAT8 if spec.kv_float8 else None,
-                                 split and spec.keys_as_m, kind == "fwd" and spec.long_band)
+                                 split and spec.keys_as_m, kind == "fwd" and spec.long_rows)

@@ -87,7 +87,7 @@ def kernel_spec(spec: AttentionSpec, sizes: tuple) -> AttentionSpec | None:
     if spec.path not in ("cute", "platform") or not all(isinstance(n, int) for n in sizes):
         return None
     kv = dataclasses.replace(spec, kv_float8=True, pack_gqa=False, split_kernel=True,
-                             num_splits=1, long_band=False)
+                             num_splits=1, long_rows=False)
     if _kernel_select.kernel_head_dims(kv) is None:
         return None
     return _path.with_split(_path.with_packing(kv, *sizes[2:]), sizes, always=True)

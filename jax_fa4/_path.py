@@ -22,9 +22,9 @@ from jax_fa4._spec import AttentionSpec
 
 def plan(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
     """A validated spec with its path, then its packing, then its split, then its
-    banded tile: each step reads the one before it (the split counts the grid the
+    long-row tile: each step reads the one before it (the split counts the grid the
     packing left). sizes: `sizes`'s."""
-    return with_long_band(
+    return with_long_rows(
         with_split(with_packing(choose(spec, implementation, sizes), *sizes[2:]), sizes), sizes)
 
 
@@ -135,28 +135,38 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
     return dataclasses.replace(spec, split_kernel=True, num_splits=splits, keys_as_m=keys_as_m)
 
 
-# Keys a row of a band sees, from which dense banded calls take the long-band tile
-# (kernels/config.py _LONG_BAND: 192 rows at d64, 80-key blocks at d256, where shorter
+# Keys a row of a band sees, from which dense banded calls take the long-row tile
+# (kernels/config.py _LONG_ROWS: 192 rows at d64, 80-key blocks at d256, where shorter
 # bands take 64-key ones). Against the 128-row tile, d64 causal
 # (H100, 2026-11-27, alternated twice in one call): 1.06x at 4k keys, 1.13-1.19x at 8k
 # and 16k, level at 2k, 0.85-0.87x at 512 and 1k; a window of 1024 keys 0.93x.
 LONG_BAND_KEYS = 4096
+# Queries and keys from which calls without a mask take the long-row tile (d128: 192
+# rows, 80-key blocks): 1.03-1.04x from 2k (kernels/config.py _LONG_ROWS). Below, the
+# last 192-row tile and 80-key block add more padded work than the taller tile saves
+# (512: 0.88x).
+LONG_FULL_ROWS = 2048
 
 
-def with_long_band(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
-    """The long-band tile on the kernel paths for a dense banded call (no split,
-    segments or pages) whose rows may see LONG_BAND_KEYS keys or more, where it was built:
-    a band open on one side sees up to Sk keys, a window up to left + right + 1."""
-    seqlen_k = sizes[3]
+def with_long_rows(spec: AttentionSpec, sizes: tuple) -> AttentionSpec:
+    """The long-row tile on the kernel paths for a dense call (no split, segments or
+    pages), where it was built: banded, when its rows may see LONG_BAND_KEYS keys or
+    more (a band open on one side sees up to Sk keys, a window up to left + right + 1);
+    without a mask, from LONG_FULL_ROWS queries and keys."""
+    seqlen_q, seqlen_k = sizes[2:]
     if (spec.path not in ("cute", "platform") or not isinstance(seqlen_k, int)
-            or not spec.banded or spec.split_kernel or spec.segment_kernel or spec.paged):
+            or not isinstance(seqlen_q, int)
+            or spec.split_kernel or spec.segment_kernel or spec.paged):
         return spec
-    left, right = spec.window_left, 0 if spec.causal else spec.window_right
-    keys = seqlen_k if left is None or right is None else min(seqlen_k, left + right + 1)
-    if keys < LONG_BAND_KEYS:
+    if spec.banded:
+        left, right = spec.window_left, 0 if spec.causal else spec.window_right
+        keys = seqlen_k if left is None or right is None else min(seqlen_k, left + right + 1)
+        if keys < LONG_BAND_KEYS:
+            return spec
+    elif min(seqlen_q, seqlen_k) < LONG_FULL_ROWS:
         return spec
-    long_band = dataclasses.replace(spec, long_band=True)
-    return spec if _kernel_select.fwd_kernel(long_band) is None else long_band
+    long_rows = dataclasses.replace(spec, long_rows=True)
+    return spec if _kernel_select.fwd_kernel(long_rows) is None else long_rows
 
 
 def sm_count() -> int:

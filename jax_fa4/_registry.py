@@ -66,19 +66,19 @@ def find_kernel(kind: str, dtype: str, dims: tuple[int, int], banded: bool,
                 softcap: bool = False, segments: bool = False,
                 split: bool = False, paged: bool = False,
                 kv_dtype: str | None = None, keys_as_m: bool = False,
-                long_band: bool = False) -> dict | None:
+                long_rows: bool = False) -> dict | None:
     """The manifest entry of the compiled kernel of this kind ("fwd" or "bwd"), head
     dims (D, Dv) and configuration, None if there is none. kv_dtype: of k and v, when
-    not dtype (a float8 KV cache); keys_as_m: the split kernel's decode tile; long_band:
-    the banded kernel's tile for bands whose rows see many keys."""
+    not dtype (a float8 KV cache); keys_as_m: the split kernel's decode tile; long_rows:
+    the dense forward's tile for rows that see many keys."""
     key = (kind, dtype, kv_dtype or dtype, dims, banded, softcap, segments, split, paged,
-           keys_as_m, long_band)
+           keys_as_m, long_rows)
     for entry in _MANIFEST:
         if (entry["kind"], entry["dtype"], entry.get("kv_dtype", entry["dtype"]),
                 head_dims(entry), entry["banded"],
                 entry.get("softcap", False), entry.get("segments", False),
                 entry.get("split", False), entry.get("paged", False),
-                entry.get("keys_as_m", False), entry.get("long_band", False)) == key:
+                entry.get("keys_as_m", False), entry.get("long_rows", False)) == key:
             return dict(entry)
     return None
 

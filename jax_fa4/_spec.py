@@ -74,9 +74,9 @@ class AttentionSpec:
     # The split kernel's decode tile (keys as the wgmma's M, a few query rows as its N):
     # chosen by `_path` where the rows fit it and it was built.
     keys_as_m: bool = False
-    # The banded kernel's taller tile for bands whose rows see many keys (`_path`
-    # .with_long_band): dense banded forwards where it was built.
-    long_band: bool = False
+    # The tile for rows that see many keys (`_path.with_long_rows`): dense forwards,
+    # banded or not, where one was built.
+    long_rows: bool = False
     # Paged K/V (`_paged`): the forward reads k and v as caches of pages through a page
     # table (the segment kernel's paged variant); inference only, set by `_paged`.
     paged: bool = False
@@ -97,9 +97,9 @@ class AttentionSpec:
             raise ValueError("num_splits > 1 needs split_kernel")
         if self.keys_as_m and not self.split_kernel:
             raise ValueError("keys_as_m needs split_kernel")
-        if self.long_band and (self.split_kernel or not self.banded
-                               or self.segment_kernel or self.paged):
-            raise ValueError("long_band needs a dense banded call without split_kernel")
+        if self.long_rows and (self.split_kernel or self.segment_kernel or self.paged):
+            raise ValueError("long_rows needs a dense call: no split_kernel, segments or "
+                             "pages")
 
     @classmethod
     def from_inputs(cls, q, k, v, *, causal, softmax_scale, return_lse,
@@ -173,13 +173,13 @@ class AttentionSpec:
         """This spec with the band `window` (left, right), top-left aligned, in place of
         its own (None: no band), in `_build`'s canonical form: the local band of one
         chunk pair of the automatic ring (`_ring.Cut`), where query and key chunks start
-        at the pair's own first positions. The long-band tile, chosen for the whole
-        band, is dropped."""
+        at the pair's own first positions. The long-row tile, chosen for the whole
+        call, is dropped."""
         causal, left, right = _validate.band(False, window)
         banded = causal or (left, right) != (None, None)
         return dataclasses.replace(self, causal=causal, window_left=left, window_right=right,
                                    alignment="top_left" if banded else "bottom_right",
-                                   long_band=False)
+                                   long_rows=False)
 
     @property
     def segments(self) -> bool:
@@ -221,11 +221,11 @@ class AttentionSpec:
         MakeBand), softcap -> f32 (0: none), split_kernel -> i1 (the banded kernel's
         split variant) and num_splits -> i32 (its runs per tile), kv_float8 -> i1 (float8
         K/V and a descale operand), keys_as_m -> i1 (the split kernel's decode tile),
-        long_band -> i1 (the banded kernel's tile for rows that see many keys)."""
+        long_rows -> i1 (the tile for rows that see many keys)."""
         return {**self._band_attributes(self.banded or self.split_kernel),
                 "split_kernel": self.split_kernel, "num_splits": np.int32(self.num_splits),
                 "kv_float8": self.kv_float8, "keys_as_m": self.keys_as_m,
-                "long_band": self.long_band}
+                "long_rows": self.long_rows}
 
     def bwd_ffi_attributes(self) -> dict:
         """Attributes of the `jax_fa4_bwd` custom call: the forward's band attributes

@@ -297,22 +297,28 @@ _DYNAMIC_BANDED = {
     for (head_dim, banded), tile in _TILES.items()
     if banded and head_dim in (64, 96, 128, 256)
 }
-# Banded kernels for bands whose rows see many keys (FwdConfig.long_band; jax_fa4's
-# _path.with_long_band picks them from LONG_BAND_KEYS keys a row): d64 with three
+# Tiles for rows that see many keys (FwdConfig.long_rows; jax_fa4's _path.with_long_rows
+# picks them), per (head_dim, banded). Banded, from LONG_ROWS_KEYS keys a row: d64 with three
 # consumers (192 rows). Against _DYNAMIC_BANDED's 128 rows (4 x H100, 2026-11-27,
 # alternated twice in one call, d64 causal, 16k tokens a batch): 1.16 at 8k, 1.19 at 16k,
 # 0.99-1.005 at 2k, 0.85-0.86 at 1k, 0.86-0.87 at 512; a window of 1024 at 2k and 16k
 # 0.93. With ping-pong on: 1.09 / 1.12 at 8k / 16k, 0.93 at 2k. Packed documents (the
 # segment kernels, which spill at 192 rows) 0.69-0.92: built for dense calls only.
 # d256 with 80-key blocks, where shorter bands take 64 (below).
-LONG_BAND_HEAD_DIMS = (64, 256)
-_LONG_BAND = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=192), 256: _DYNAMIC_BANDED[256]}
+# Without a mask, from LONG_FULL_ROWS queries and keys: d128 with three consumers (192
+# rows) on 80-key blocks, as the e4m3 d128 tile (_FP8_TILES) runs three. Against
+# _TILES' 128 x 128 (H200, 2026-12-03, alternated twice in one call; 16k tokens a
+# batch): 512 0.88-0.89, 2k 1.03, 8k 1.03-1.04, 16k 1.04. 96-key blocks spill 32 bytes
+# (ptxas) and ran 0.51; 64-key blocks 0.91 / 1.00 / 0.99 / 0.99.
+_LONG_ROWS = {(64, True): dataclasses.replace(_DYNAMIC_BANDED[64], m=192),
+              (256, True): _DYNAMIC_BANDED[256],
+              (128, False): dataclasses.replace(_TILES[(128, False)], m=192, n=80)}
 # d256 with 64-key blocks (Q 64 + K and V 2 x 64 KB), whose 128-row tiles' band edges
 # fall on block edges, against 80 keys (Q 64 + 2 x 80 KB). n=64 for every band (H200,
 # 2026-12-03, alternated twice in one call), causal 512 / 1k / 2k / 8k: 1.037-1.050 /
 # 1.031 / 1.010-1.012 / 0.994; under ncu (512, causal) 102.8 against 107.6 us, 25.0
-# against 26.0 million instructions. So rows that see fewer than LONG_BAND_KEYS keys
-# take 64 and longer ones keep 80 (_LONG_BAND); that build against main's module
+# against 26.0 million instructions. So rows that see fewer than LONG_ROWS_KEYS keys
+# take 64 and longer ones keep 80 (_LONG_ROWS); that build against main's module
 # 87231f66 (same method; bench/results/h200/2026-12-03-ab-fwd-d256-n64.jsonl): causal
 # 512 / 1k / 2k 1.034-1.046 / 1.026-1.033 / 1.010-1.014, 4k / 8k / 16k (the long band)
 # 0.999-1.002; eight packed documents per row of 4k / 16k (the segment kernels take 64
@@ -328,7 +334,7 @@ _DYNAMIC_BANDED[256] = dataclasses.replace(_DYNAMIC_BANDED[256], n=64)
 # 1.07-1.09 / 1.02-1.04, causal 1.03 / 1.01; kv_lengths 0.86-0.87 / 1.03-1.04 /
 # 1.06-1.09, causal 0.97 / 1.03 / 1.07-1.09: whole-row lengths at 512 tokens lose 13%
 # there (kept for the longer rows; choosing the tile by Sk would need both exported,
-# as long_band does for the plain band). The same tile for the plain band
+# as long_rows does for the plain band). The same tile for the plain band
 # kernel lost (causal 512 / 2k / 8k 0.89 / 1.01 / 1.00), and at d128 (64-key blocks, so
 # that two fit) 0.78-0.95 plain and 0.79-0.85 on documents.
 _SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm=2)}
@@ -336,10 +342,10 @@ _SEGMENT_TILES = {64: dataclasses.replace(_DYNAMIC_BANDED[64], m=64, ctas_per_sm
 # persistent tile of two Q stages, against waiting at the tile's end (H200, 2026-11-28,
 # alternated twice in one call; 512 / 2k): d64 causal 1.027-1.029, d128 causal
 # 0.995-0.999, d64 without a mask (the static 192-row ping-pong tile) 0.93-0.94, d128
-# without a mask 0.97-0.99. So d64's dynamic banded tile alone (not _LONG_BAND's or
+# without a mask 0.97-0.99. So d64's dynamic banded tile alone (not _LONG_ROWS's or
 # _SEGMENT_TILES', derived from it above) takes it. That build against main's (H200,
 # 2026-11-29, alternated twice in one call), d64 causal 512 / 1k / 2k: 1.023-1.030 /
-# 1.012-1.022 / 1.020-1.021; 8k (the _LONG_BAND tile) and d128 0.998-1.002.
+# 1.012-1.022 / 1.020-1.021; 8k (the _LONG_ROWS tile) and d128 0.998-1.002.
 # Three Q stages on top (H200, 2026-12-02, same method), causal 512 / 1k / 2k:
 # 0.991-0.993 / 0.996-1.004 / 0.998-1.000. Not kept.
 _DYNAMIC_BANDED[64] = dataclasses.replace(_DYNAMIC_BANDED[64], defer_o_read=True)
@@ -393,9 +399,9 @@ class _KernelConfig:
     # as the wgmma's M and the tile's KEYS_AS_M_ROWS query rows as its N; calls whose
     # rows fit run it, the others the 64-row split tile.
     keys_as_m: bool = False
-    # The banded kernel's taller tile (_LONG_BAND) for bands whose rows see many keys:
-    # dense 16-bit forwards without softcap at LONG_BAND_HEAD_DIMS.
-    long_band: bool = False
+    # The tile for rows that see many keys (_LONG_ROWS): dense 16-bit forwards without
+    # softcap, banded or not, where _LONG_ROWS has one.
+    long_rows: bool = False
 
     kind = ""
 
@@ -436,12 +442,13 @@ class _KernelConfig:
                                    and self.head_dim_v == self.head_dim and not self.softcap):
             raise ValueError(f"keys_as_m tiles are split forwards at head dims "
                              f"{KEYS_AS_M_HEAD_DIMS} without softcap")
-        if self.long_band and not (
-                self.kind == "fwd" and self.banded and self.dtype in DTYPES
-                and self.head_dim in LONG_BAND_HEAD_DIMS and self.head_dim_v == self.head_dim
+        if self.long_rows and not (
+                self.kind == "fwd" and self.dtype in DTYPES
+                and (self.head_dim, self.banded) in _LONG_ROWS
+                and self.head_dim_v == self.head_dim
                 and not (self.softcap or self.segments or self.split or self.paged)):
-            raise ValueError(f"long_band tiles are dense banded 16-bit forwards at head "
-                             f"dims {LONG_BAND_HEAD_DIMS} without softcap")
+            raise ValueError(f"long_rows tiles are dense 16-bit forwards without softcap at "
+                             f"(head_dim, banded) {tuple(_LONG_ROWS)}")
 
     @property
     def name(self) -> str:
@@ -453,7 +460,7 @@ class _KernelConfig:
         seg += "_paged" if self.paged else ""
         seg += f"_kv_{self.kv_dtype}" if self.kv_dtype else ""
         seg += "_keysm" if self.keys_as_m else ""
-        seg += "_long" if self.long_band else ""
+        seg += "_long" if self.long_rows else ""
         dims = f"d{self.head_dim}" + (f"v{self.head_dim_v}" if self.head_dim_v != self.head_dim
                                       else "")
         return f"{self.kind}_{arch}_{self.dtype}_{dims}_{mask}{cap}{seg}"
@@ -474,7 +481,7 @@ class _KernelConfig:
             "paged": self.paged,
             "kv_dtype": self.kv_dtype or self.dtype,
             "keys_as_m": self.keys_as_m,
-            "long_band": self.long_band,
+            "long_rows": self.long_rows,
             "tile_m": self.tile.m,
             "tile_n": self.tile.n,
             "ctas_per_sm": getattr(self.tile, "ctas_per_sm", 1),
@@ -503,8 +510,8 @@ class FwdConfig(_KernelConfig):
             return _FP8_TILES[(self.head_dim, self.banded)]
         if self.keys_as_m:
             return _KEYS_AS_M_TILES[self.kv_dtype]
-        if self.long_band:
-            return _LONG_BAND[self.head_dim]
+        if self.long_rows:
+            return _LONG_ROWS[(self.head_dim, self.banded)]
         if self.segments and not (self.split or self.paged) and self.head_dim in _SEGMENT_TILES:
             return _SEGMENT_TILES[self.head_dim]
         if self.banded and not (self.split or self.paged) and self.head_dim in _DYNAMIC_BANDED:
@@ -786,8 +793,8 @@ FWD_MANIFEST += tuple(FwdConfig(dtype=d, kv_dtype=kv, head_dim=h, banded=True, s
                       for d, kv in (("bf16", None), ("bf16", "e4m3"))
                       for h in KEYS_AS_M_HEAD_DIMS
                       for seg, paged in ((False, False), (True, False), (True, True)))
-FWD_MANIFEST += tuple(FwdConfig(dtype=d, head_dim=h, banded=True, long_band=True)
-                      for d in DTYPES for h in LONG_BAND_HEAD_DIMS)
+FWD_MANIFEST += tuple(FwdConfig(dtype=d, head_dim=h, banded=banded, long_rows=True)
+                      for d in DTYPES for h, banded in _LONG_ROWS)
 BWD_MANIFEST: tuple[BwdConfig, ...] = tuple(
     BwdConfig(dtype=d, head_dim=h, head_dim_v=hv, banded=c, softcap=cap, segments=seg)
     for d, (h, hv), (c, cap, seg) in itertools.product(DTYPES, _DIMS, _VARIANTS)

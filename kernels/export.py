@@ -383,13 +383,13 @@ def write_table(out: pathlib.Path, configs: tuple[Config, ...]) -> None:
             dtypes = {"bf16": "Dtype::kBF16", "fp16": "Dtype::kF16", "e4m3": "Dtype::kE4M3"}
             dtype, kv_dtype = dtypes[cfg.dtype], dtypes[cfg.kv_dtype or cfg.dtype]
             dynamic = kind == "fwd" and cfg.tile.schedule == "dynamic"
-            banded, softcap, segments, split, paged, dynamic, keys_as_m, long_band = (
+            banded, softcap, segments, split, paged, dynamic, keys_as_m, long_rows = (
                 "true" if flag else "false"
                 for flag in (cfg.banded, cfg.softcap, cfg.segments, cfg.split, cfg.paged,
-                             dynamic, cfg.keys_as_m, cfg.long_band))
+                             dynamic, cfg.keys_as_m, cfg.long_rows))
             lines.append(
                 f'    {{"{cfg.name}", "{cfg.arch}", {dtype}, {kv_dtype}, {cfg.head_dim}, {cfg.head_dim_v}, '
-                f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, {keys_as_m}, {long_band}, '
+                f'{banded}, {softcap}, {segments}, {split}, {paged}, {dynamic}, {keys_as_m}, {long_rows}, '
                 f"{cfg.tile.m}, {cfg.tile.n}, {getattr(cfg.tile, 'ctas_per_sm', 1)}, "
                 f"{getattr(cfg.tile, 'dq_parts', 0)}, &{cfg.name}::Init, &{cfg.name}::Load, &{cfg.name}::Launch}},"
             )

@@ -151,7 +151,7 @@ def test_zero_size(implementation, b, sq, sk, h):
 
 # The keys of every kernels() entry as its docstring lists them; backward ones add dq_parts.
 KERNEL_KEYS = {"name", "kind", "arch", "dtype", "kv_dtype", "head_dim", "head_dim_v", "banded",
-               "softcap", "segments", "split", "paged", "keys_as_m", "long_band", "tile_m",
+               "softcap", "segments", "split", "paged", "keys_as_m", "long_rows", "tile_m",
                "tile_n",
                "ctas_per_sm"}
 

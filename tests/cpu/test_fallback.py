@@ -96,7 +96,7 @@ def test_the_cudnn_path_takes_no_kernel_layout(built, monkeypatch):
     with pytest.warns(RuntimeWarning, match="running cuDNN"):
         spec = plan(sds(70000, 16, 4, 64), sds(70000, 24, 2, 64), sds(70000, 24, 2, 64))
     assert spec.path == "cudnn" and spec.group_size == 2
-    assert not (spec.pack_gqa or spec.split_kernel or spec.long_band), spec
+    assert not (spec.pack_gqa or spec.split_kernel or spec.long_rows), spec
 
 
 def test_the_grid_limit_is_a_reason_before_tracing(built, monkeypatch):

@@ -20,11 +20,11 @@ from jaxlib import xla_client
 import jax_fa4
 from jax_fa4 import _api, _path, _registry
 
-# Attributes print in alphabetical order; keys_as_m, long_band, num_splits,
+# Attributes print in alphabetical order; keys_as_m, long_rows, num_splits,
 # q_heads_as_rows and softcap sit between the ones read here.
 CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?"
                   r"banded = (true|false), keys_as_m = (?:true|false), kv_float8 = false, "
-                  r"long_band = (?:true|false), num_splits = \d+ : i32, "
+                  r"long_rows = (?:true|false), num_splits = \d+ : i32, "
                   r"q_heads_as_rows = (?:true|false), softcap = \S+ : f32, "
                   r"softmax_scale = (\S+) : f32")
 BWD_CALL = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?banded = (true|false), "
@@ -225,14 +225,14 @@ def test_manifest_matches_kernel_config(expected_manifest):
     # 40 split forwards, 24 paged ones (segment variants, head dims 64, 128, 256), 6
     # float8 ones (head dims 64, 128, 256, full and banded), 9 float8-KV ones (split:
     # dense, segments, paged; head dims 64, 128, 256), 6 keys-as-M split tiles (bf16
-    # and float8 K/V at head dim 128; dense, segments, paged), 4 long-band tiles (bf16
-    # and fp16 at head dims 64 and 256)
-    assert (kinds.count("fwd"), kinds.count("bwd")) == (139, 50)
+    # and float8 K/V at head dim 128; dense, segments, paged), 6 long-row tiles (bf16
+    # and fp16: banded at head dims 64 and 256, without a mask at 128)
+    assert (kinds.count("fwd"), kinds.count("bwd")) == (141, 50)
     assert sum(entry["dtype"] == "e4m3" for entry in expected_manifest) == 6
     assert sum(entry["kv_dtype"] == "e4m3" != entry["dtype"]
                for entry in expected_manifest) == 12
     assert sum(entry.get("keys_as_m", False) for entry in expected_manifest) == 6
-    assert sum(entry.get("long_band", False) for entry in expected_manifest) == 4
+    assert sum(entry.get("long_rows", False) for entry in expected_manifest) == 6
 
 
 def test_top_left_self_attention_keeps_the_kernel(built):

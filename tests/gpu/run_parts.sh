@@ -7,7 +7,7 @@
 #                                          # graphs, back-to-back calls, split-KV, paged
 #   bash tests/gpu/run_parts.sh features   # windows and softcap, segments, varlen, jax.nn
 #   bash tests/gpu/run_parts.sh heads      # GQA, sinks, transforms, fallback, float8,
-#                                          # the long-band tile
+#                                          # the long-row tiles
 #   bash tests/gpu/run_parts.sh large      # 2^31-element tensors and softcap accuracy, alone
 #   bash tests/gpu/run_parts.sh multi      # 2 or more GPUs
 #   bash tests/gpu/run_parts.sh single     # core, large, features and heads: with 3 or
@@ -51,10 +51,10 @@ if [ "$part" = single ]; then
 fi
 g=tests/gpu
 case "$part" in
-  quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_long_band.py" ;;
+  quick) files="$g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_long_rows.py" ;;
   core) files="$g/test_gpu_back_to_back.py $g/test_gpu_numerics.py $g/test_gpu_backward.py $g/test_gpu_runtime_values.py $g/test_gpu_determinism.py $g/test_gpu_command_buffer.py $g/test_gpu_split_kv.py $g/test_gpu_paged.py" ;;
   features) files="$g/test_gpu_window.py $g/test_gpu_segments.py $g/test_gpu_varlen.py $g/test_gpu_jax_nn.py" ;;
-  heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_float8.py $g/test_gpu_kv_float8.py $g/test_gpu_long_band.py" ;;
+  heads) files="$g/test_gpu_gqa.py $g/test_gpu_sinks.py $g/test_gpu_transforms.py $g/test_gpu_fallback.py $g/test_gpu_float8.py $g/test_gpu_kv_float8.py $g/test_gpu_long_rows.py" ;;
   large) files="$g/test_gpu_large.py $g/test_gpu_softcap_accuracy.py" ;;
   multi) files="$g/test_gpu_multi.py" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;

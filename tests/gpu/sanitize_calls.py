@@ -13,8 +13,8 @@ or negative; lengths negative or past S), which the kernels must survive without
 out-of-bounds access. The keys-as-M split tiles get decode steps (one position; no
 varlen case: its packed rows are no decode step). Sizes are small (the sanitizers are slow) but leave partial tiles
 and several query tiles and key blocks per problem, and the bands have masked edges.
-The persistent forwards (not segment or long-band ones) get their call once more with
-more heads, so that every CTA runs several tiles.
+The persistent forwards (not segment or banded long-row ones) get their call once more
+with more heads, so that every CTA runs several tiles.
 
     python tests/gpu/sanitize_calls.py              # run every call on the GPU, timed
     python tests/gpu/sanitize_calls.py --list       # print the calls, check their kernels
@@ -50,9 +50,11 @@ BATCH, SEQ_Q, SEQ_K, HEADS_Q, HEADS_KV = 2, 200, 300, 4, 2
 # The keys-as-M split tiles (8 query rows) take decode steps: one position, whose 2
 # query heads per KV head pack into 2 rows.
 DECODE_Q = 1
-# The long-band tiles take rows that may see LONG_BAND_KEYS keys: Sk past it, in no
-# block or tile boundary.
+# The banded long-row tiles take rows that may see LONG_BAND_KEYS keys: Sk past it, in
+# no block or tile boundary; the one without a mask LONG_FULL_ROWS queries and keys:
+# Sq = Sk past it, inside a 192-row tile and an 80-key block.
 LONG_K = _path.LONG_BAND_KEYS + 100
+LONG_FULL = _path.LONG_FULL_ROWS + 52
 # paged_attention: pages of PAGE keys, PAGES table entries per batch, a spare page.
 PAGE, PAGES = 32, 10
 # attention_varlen's packed lengths.
@@ -123,7 +125,7 @@ DECODE_MAIN = {
            {"kv_lengths": np.array([SEQ_K, 231], np.int32)}, False),
 }
 
-# The main call of the long-band variants: the band's left edge inside the keys (the
+# The main call of the banded long-row variants: the band's left edge inside the keys (the
 # first blocks skipped whole), its right edge on the diagonal.
 LONG_MAIN = ("causal, window (LONG_BAND_KEYS, 0)",
              {"causal": True, "window": (_path.LONG_BAND_KEYS, None)}, {}, False)
@@ -164,8 +166,10 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
             result.append((kernel, [Call(kernel, "paged cache, ids and lengths out of range",
                                          options, arrays, paged=True, seq_q=seq_q)]))
             continue
-        long_band = kernel.get("long_band", False)
-        seq_k = LONG_K if long_band else SEQ_K
+        long_band = kernel.get("long_rows", False) and kernel["banded"]
+        long_full = kernel.get("long_rows", False) and not kernel["banded"]
+        seq_q = LONG_FULL if long_full else seq_q
+        seq_k = LONG_K if long_band else LONG_FULL if long_full else SEQ_K
         cases = [DECODE_MAIN[kernel["segments"]] if decode else LONG_MAIN if long_band
                  else MAIN[kernel["banded"], kernel["softcap"], kernel["segments"]]]
         if kernel["segments"]:
@@ -182,8 +186,9 @@ def plan(kernels: list[dict]) -> list[tuple[dict, list[Call]]]:
                  for case, options, arrays, varlen in cases for mode in modes]
         if kernel["name"] in PERSISTENT and not (kernel["segments"] or long_band):
             case, options, arrays, _ = cases[0]
+            many = LONG_FULL if long_full else SEQ_MANY
             calls.append(Call(kernel, f"{case}, several tiles a CTA", options, arrays,
-                              seq_q=SEQ_MANY, seq_k=SEQ_MANY,
+                              seq_q=many, seq_k=many,
                               heads=(MANY_HEADS_Q, MANY_HEADS_KV)))
         result.append((kernel, calls))
     return result

@@ -47,15 +47,16 @@ def test_back_to_back_forwards_match_a_single_call(fa, head_dim, causal, pattern
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("pattern", ["in_flight", "one_by_one"])
-def test_back_to_back_long_band_forwards_match_a_single_call(fa, pattern):
-    """The head_dim 64 long-band tile (three consumers on the dynamic schedule): causal
-    at 4k tokens, the benchmark's 16k tokens a batch."""
+@pytest.mark.parametrize("head_dim,causal", [(64, True), (128, False)])
+def test_back_to_back_long_rows_forwards_match_a_single_call(fa, head_dim, causal, pattern):
+    """The long-row tiles with three consumers: head_dim 64 causal (dynamic schedule),
+    128 without a mask (static), at 4k tokens, the benchmark's 16k tokens a batch."""
     seqlen = _path.LONG_BAND_KEYS
-    batch, heads = 16384 // seqlen, 2048 // 64
-    q, k, v, _, _ = fa.problem(9, "bfloat16", batch, seqlen, seqlen, heads, heads, 64)
-    assert _api._plan(q, k, v, causal=True, softmax_scale=None, return_lse=True,
-                      implementation="cute").long_band
-    f = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, causal=True, return_lse=True,
+    batch, heads = 16384 // seqlen, 2048 // head_dim
+    q, k, v, _, _ = fa.problem(9, "bfloat16", batch, seqlen, seqlen, heads, heads, head_dim)
+    assert _api._plan(q, k, v, causal=causal, softmax_scale=None, return_lse=True,
+                      implementation="cute").long_rows
+    f = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, causal=causal, return_lse=True,
                                                   implementation="cute"))
     _assert_calls_match_one(f, (q, k, v), pattern)
 

@@ -1,6 +1,7 @@
-"""The long-band tile (jax_fa4/_path.py with_long_band): which dense banded calls take
-the banded kernel's taller tile, and that the choice reaches the lowered call. The
-kernel itself is checked on the GPU (tests/gpu/test_gpu_long_band.py)."""
+"""The long-row tiles (jax_fa4/_path.py with_long_rows): which dense calls take the tile
+for rows that see many keys (banded ones from LONG_BAND_KEYS keys a row, calls without a
+mask from LONG_FULL_ROWS queries and keys), and that the choice reaches the lowered
+call. The kernels themselves are checked on the GPU (tests/gpu/test_gpu_long_rows.py)."""
 
 import functools
 import re
@@ -16,6 +17,7 @@ from jax_fa4._spec import AttentionSpec
 FWD_ATTRS = re.compile(r"stablehlo\.custom_call @jax_fa4_fwd\(.*?\{(.*?)\}", re.MULTILINE)
 BWD_ATTRS = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?\{(.*?)\}", re.MULTILINE)
 LONG = _path.LONG_BAND_KEYS
+FULL = _path.LONG_FULL_ROWS
 
 
 def sds(*shape, dtype=jnp.bfloat16):
@@ -29,12 +31,12 @@ def _plan(sq, sk, d=64, heads=(16, 16), dtype=jnp.bfloat16, arrays=(), **options
                       implementation=None, **{"causal": True, **options}, **extra)
 
 
-@pytest.mark.parametrize("sq,sk,d,options,long_band", [
+@pytest.mark.parametrize("sq,sk,d,options,long_rows", [
     (LONG, LONG, 64, {}, True),                     # causal self-attention at the bound
     (LONG - 128, LONG - 128, 64, {}, False),        # below it
     (1024, 4 * LONG, 64, {}, True),                 # a chunk of queries over many keys
     (LONG, LONG, 64, {"dtype": jnp.float16}, True),
-    (LONG, LONG, 128, {}, False),                   # built at head_dim 64 and 256
+    (LONG, LONG, 128, {}, False),                   # banded: built at 64 and 256
     (LONG, LONG, 256, {}, True),
     (LONG - 128, LONG - 128, 256, {}, False),
     (LONG, LONG, 32, {}, True),                     # zero-padded to 64's kernels
@@ -46,11 +48,22 @@ def _plan(sq, sk, d=64, heads=(16, 16), dtype=jnp.bfloat16, arrays=(), **options
     (LONG, LONG, 64, {"arrays": ("kv_lengths",)}, False),  # lengths: segment kernel
     (LONG, LONG, 64, {"heads": (16, 4)}, True),     # GQA, not packed at these rows
     (64, LONG, 64, {"heads": (16, 4)}, False),      # packed band: segment kernel
+    # Without a mask: built at head_dim 128, from FULL queries and keys.
+    (FULL, FULL, 128, {"causal": False}, True),
+    (FULL, FULL, 128, {"causal": False, "dtype": jnp.float16}, True),
+    (FULL - 1, 4 * FULL, 128, {"causal": False}, False),  # too few queries
+    (4 * FULL, FULL - 1, 128, {"causal": False}, False),  # too few keys
+    (FULL, FULL, 112, {"causal": False}, True),     # zero-padded to 128's kernels
+    (FULL, FULL, 64, {"causal": False}, False),     # not built at 64
+    (FULL, FULL, 256, {"causal": False}, False),
+    (FULL, FULL, 128, {"causal": False, "softcap": 30.0}, False),  # the banded kernel
+    (FULL, FULL, 128, {"causal": False, "arrays": ("kv_lengths",)}, False),
+    (FULL, FULL, 128, {"causal": False, "heads": (16, 4)}, True),
 ])
-def test_long_band_choice(built, sq, sk, d, options, long_band):
+def test_long_rows_choice(built, sq, sk, d, options, long_rows):
     spec = _plan(sq, sk, d, **options)
-    assert spec.path == "platform" and spec.long_band == long_band, spec
-    assert not (spec.long_band and (spec.split_kernel or spec.segment_kernel)), spec
+    assert spec.path == "platform" and spec.long_rows == long_rows, spec
+    assert not (spec.long_rows and (spec.split_kernel or spec.segment_kernel)), spec
 
 
 def test_the_choice_reaches_the_call_and_not_the_backward(built):
@@ -60,27 +73,36 @@ def test_the_choice_reaches_the_call_and_not_the_backward(built):
                     argnums=(0, 1, 2))
     text = jax.jit(grad).trace(q, q, q).lower(lowering_platforms=("cuda",)).as_text()
     (fwd,), (bwd,) = FWD_ATTRS.findall(text), BWD_ATTRS.findall(text)
-    assert "long_band = true" in fwd and "banded = true" in fwd, fwd
-    assert "long_band" not in bwd, bwd
+    assert "long_rows = true" in fwd and "banded = true" in fwd, fwd
+    assert "long_rows" not in bwd, bwd
     short = sds(1, LONG // 2, 8, 64)
     text = jax.jit(attn).trace(short, short, short).lower(
         lowering_platforms=("cuda",)).as_text()
     (fwd,) = FWD_ATTRS.findall(text)
-    assert "long_band = false" in fwd, fwd
+    assert "long_rows = false" in fwd, fwd
 
 
-def test_derived_specs_drop_it(built):
-    """The automatic ring's chunk bands and the float8-KV split take other kernels."""
-    spec = _plan(LONG, LONG)
-    assert spec.long_band
-    assert not spec.with_top_left_window((None, None)).long_band
-    with pytest.raises(ValueError, match="long_band"):
-        AttentionSpec(dtype="bfloat16", head_dim=64, causal=False, softmax_scale=1.0,
-                      return_lse=False, long_band=True)
+def test_the_full_choice_reaches_the_call(built):
+    x = sds(1, FULL, 8, 128)
+    text = jax.jit(jax_fa4.attention).trace(x, x, x).lower(
+        lowering_platforms=("cuda",)).as_text()
+    (fwd,) = FWD_ATTRS.findall(text)
+    assert "long_rows = true" in fwd and "banded = false" in fwd, fwd
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_derived_specs_drop_it(built, causal):
+    """The automatic ring's chunks and the float8-KV split take other kernels."""
+    spec = _plan(LONG, LONG, 64 if causal else 128, causal=causal)
+    assert spec.long_rows
+    assert not spec.with_top_left_window((None, None)).long_rows
+    with pytest.raises(ValueError, match="long_rows"):
+        AttentionSpec(dtype="bfloat16", head_dim=64, causal=causal, softmax_scale=1.0,
+                      return_lse=False, split_kernel=True, long_rows=True)
 
 
 def test_reference_path_never_takes_it():
     spec = _api._plan(sds(1, LONG, 8, 64), sds(1, LONG, 8, 64), sds(1, LONG, 8, 64),
                       causal=True, softmax_scale=None, return_lse=False,
                       implementation="reference")
-    assert not spec.long_band
+    assert not spec.long_rows

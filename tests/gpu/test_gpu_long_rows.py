@@ -1,11 +1,13 @@
-"""The long-band tiles (the banded kernels that dense banded calls take where rows may
-see LONG_BAND_KEYS keys or more; jax_fa4/_path.py with_long_band: head_dim 64 with
-192-row tiles, 256 with 80-key blocks) with the rule of tests/README.md: out and lse
-against the float32 reference, and dq, dk, dv of one case per dtype (the backward is the
-banded kernel's own; its inputs, out and lse, come from the long-band forward). Each
-case first checks that the call takes that tile, so no case can pass on the shorter
-bands' kernel. Sizes put band edges inside 192-row tiles and 128- and 80-key blocks,
-leave rows that see no key, and cross the dynamic schedule's tile order with GQA and
+"""The long-row tiles (jax_fa4/_path.py with_long_rows): the banded kernels that dense
+banded calls take where rows may see LONG_BAND_KEYS keys or more (head_dim 64 with
+192-row tiles, 256 with 80-key blocks), and the kernel without a mask that calls of
+LONG_FULL_ROWS queries and keys or more take (head_dim 128, 192 rows, 80-key blocks),
+with the rule of tests/README.md: out and lse against the float32 reference, and dq,
+dk, dv of one case per dtype and mask (the backward is the plain one; its inputs, out
+and lse, come from the long-row forward). Each case first checks that the call takes
+that tile, so no case can pass on the other tile. Sizes put band edges inside 192-row
+tiles and 128- and 80-key blocks, leave rows that see no key, end queries and keys
+inside the last 192-row tile and 80-key block, and cross the tile orders with GQA and
 sinks."""
 
 import functools
@@ -34,6 +36,13 @@ BANDS = (
     ("two-sided", {"window": (LONG - 500, 600)}, LONG + 333, LONG + 333),
     ("left-only", {"window": (700, None)}, LONG + 17, LONG + 17),
 )
+FULL = _path.LONG_FULL_ROWS
+# Without a mask: Sq and Sk off the 192-row tiles and 80-key blocks.
+NO_MASK = (
+    ("full", {}, FULL + 52, FULL + 52),
+    ("full-more-keys", {}, FULL + 1, 2 * FULL + 907),
+    ("full-more-queries", {}, 2 * FULL + 905, FULL + 1),
+)
 HEADS = ((2, 2), (4, 2))  # (Hq, Hkv): plain and GQA (not packed at these rows)
 BATCH = 1
 
@@ -43,7 +52,7 @@ def _case(dtype, head_dim, band, heads, sinks):
     return pytest.param(dtype, head_dim, kwargs, sq, sk, heads, sinks,
                         id=f"{dtype}-d{head_dim}-{name}-h{heads[0]}x{heads[1]}"
                            + ("-sinks" if sinks else ""),
-                        marks=pytest.mark.xdist_group(f"long-band-{dtype}"))
+                        marks=pytest.mark.xdist_group(f"long-rows-{dtype}"))
 
 
 CASES = [_case(dtype, 64, band, heads, False)
@@ -53,12 +62,15 @@ CASES += [_case(dtype, d, BANDS[0], (4, 2), sinks)
                                   ("bfloat16", 32, False))]
 CASES += [_case(dtype, 256, band, (4, 2), dtype == "float16" and band is BANDS[0])
           for dtype, band in itertools.product(("bfloat16", "float16"), BANDS)]
+CASES += [_case(dtype, 128, band, heads, dtype == "float16" and band is NO_MASK[0])
+          for dtype, band, heads in itertools.product(("bfloat16", "float16"), NO_MASK,
+                                                      HEADS)]
 
 
-def _takes_long_band(q, k, v, band, sinks):
+def _takes_long_rows(q, k, v, band, sinks):
     spec = _api._plan(q, k, v, softmax_scale=None, return_lse=True, implementation="cute",
                       sinks=sinks, **{"causal": False, **band})
-    return spec.long_band
+    return spec.long_rows
 
 
 @functools.partial(jax.jit, static_argnames=("band",))
@@ -68,26 +80,28 @@ def _forward(q, k, v, sinks, band):
 
 
 @pytest.mark.parametrize("dtype,head_dim,band,sq,sk,heads,with_sinks", CASES)
-def test_long_band_matches_reference(fa, dtype, head_dim, band, sq, sk, heads, with_sinks):
+def test_long_rows_matches_reference(fa, dtype, head_dim, band, sq, sk, heads, with_sinks):
     seed = zlib.crc32(repr(("long", dtype, head_dim, sorted(band.items()), sq, sk, heads,
                             with_sinks)).encode())
     q, k, v, _, _ = fa.problem(seed, dtype, BATCH, sq, sk, *heads, head_dim)
     sinks = (jnp.log(jnp.float32(sk)) + jax.random.normal(jax.random.key(seed), (heads[0],))
              if with_sinks else None)
-    assert _takes_long_band(q, k, v, band, sinks), "the call does not take the long band"
+    assert _takes_long_rows(q, k, v, band, sinks), "the call does not take the long-row tile"
     out, lse = _forward(q, k, v, sinks, band=tuple(sorted(band.items())))
     mask = {"causal": band.get("causal", False), "window": band.get("window"),
             "alignment": band.get("alignment", "bottom_right"), "sinks": sinks}
-    fa.assert_attention("long band", out, lse, q, k, v, **mask)
+    fa.assert_attention("long rows", out, lse, q, k, v, **mask)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_long_band_gradients(fa, dtype):
-    sq = sk = LONG + 100
-    q, k, v, dout, dlse = fa.problem(zlib.crc32(f"long-grad-{dtype}".encode()), dtype,
-                                     BATCH, sq, sk, 4, 2, 64)
-    assert _takes_long_band(q, k, v, {"causal": True}, None)
-    attn = functools.partial(jax_fa4.attention, causal=True, return_lse=True,
+def test_long_rows_gradients(fa, dtype, causal):
+    sq = sk = LONG + 100 if causal else FULL + 52
+    seed = f"long-grad-{dtype}" if causal else f"long-grad-full-{dtype}"
+    q, k, v, dout, dlse = fa.problem(zlib.crc32(seed.encode()), dtype,
+                                     BATCH, sq, sk, 4, 2, 64 if causal else 128)
+    assert _takes_long_rows(q, k, v, {"causal": causal}, None)
+    attn = functools.partial(jax_fa4.attention, causal=causal, return_lse=True,
                              implementation="cute")
 
     @jax.jit
@@ -96,5 +110,5 @@ def test_long_band_gradients(fa, dtype):
         return out, lse, vjp((dout, dlse))
 
     out, lse, grads = forward_and_grads(q, k, v, dout, dlse)
-    fa.assert_attention("long band", out, lse, q, k, v, causal=True)
-    fa.assert_gradients("long band", grads, q, k, v, dout, dlse, causal=True)
+    fa.assert_attention("long rows", out, lse, q, k, v, causal=causal)
+    fa.assert_gradients("long rows", grads, q, k, v, dout, dlse, causal=causal)
