@@ -298,8 +298,8 @@ _DYNAMIC_BANDED = {
     if banded and head_dim in (64, 96, 128, 256)
 }
 # Tiles for rows that see many keys (FwdConfig.long_rows; jax_fa4's _path.with_long_rows
-# picks them), per (head_dim, banded). Banded, from LONG_ROWS_KEYS keys a row: d64 with three
-# consumers (192 rows). Against _DYNAMIC_BANDED's 128 rows (4 x H100, 2026-11-27,
+# picks them), per (head_dim, banded). Banded, from LONG_BAND_KEYS keys a row: d64 with
+# three consumers (192 rows). Against _DYNAMIC_BANDED's 128 rows (4 x H100, 2026-11-27,
 # alternated twice in one call, d64 causal, 16k tokens a batch): 1.16 at 8k, 1.19 at 16k,
 # 0.99-1.005 at 2k, 0.85-0.86 at 1k, 0.86-0.87 at 512; a window of 1024 at 2k and 16k
 # 0.93. With ping-pong on: 1.09 / 1.12 at 8k / 16k, 0.93 at 2k. Packed documents (the
@@ -309,7 +309,12 @@ _DYNAMIC_BANDED = {
 # rows) on 80-key blocks, as the e4m3 d128 tile (_FP8_TILES) runs three. Against
 # _TILES' 128 x 128 (H200, 2026-12-03, alternated twice in one call; 16k tokens a
 # batch): 512 0.88-0.89, 2k 1.03, 8k 1.03-1.04, 16k 1.04. 96-key blocks spill 32 bytes
-# (ptxas) and ran 0.51; 64-key blocks 0.91 / 1.00 / 0.99 / 0.99.
+# (ptxas) and ran 0.51; 64-key blocks 0.91 / 1.00 / 0.99 / 0.99. The build with both
+# tiles against main's (same method; bench/results/h200/2026-12-03-ab-fwd-d128-long-
+# rows.jsonl), 1k (the 128-row tile) / 2k / 4k / 8k / 16k: 0.995-1.000 / 1.030-1.031 /
+# 1.034-1.036 / 1.032-1.039 / 1.033-1.046; cuDNN in one run with it 1.08 / 1.09 / 1.10 /
+# 1.09 from 2k. The same 192 x 80 tile for d128 bands (the dynamic order, no spill),
+# causal 4k / 8k / 16k: 0.920-0.921 / 0.964-0.966 / 0.967-0.970; not built.
 _LONG_ROWS = {(64, True): dataclasses.replace(_DYNAMIC_BANDED[64], m=192),
               (256, True): _DYNAMIC_BANDED[256],
               (128, False): dataclasses.replace(_TILES[(128, False)], m=192, n=80)}
@@ -317,7 +322,7 @@ _LONG_ROWS = {(64, True): dataclasses.replace(_DYNAMIC_BANDED[64], m=192),
 # fall on block edges, against 80 keys (Q 64 + 2 x 80 KB). n=64 for every band (H200,
 # 2026-12-03, alternated twice in one call), causal 512 / 1k / 2k / 8k: 1.037-1.050 /
 # 1.031 / 1.010-1.012 / 0.994; under ncu (512, causal) 102.8 against 107.6 us, 25.0
-# against 26.0 million instructions. So rows that see fewer than LONG_ROWS_KEYS keys
+# against 26.0 million instructions. So rows that see fewer than LONG_BAND_KEYS keys
 # take 64 and longer ones keep 80 (_LONG_ROWS); that build against main's module
 # 87231f66 (same method; bench/results/h200/2026-12-03-ab-fwd-d256-n64.jsonl): causal
 # 512 / 1k / 2k 1.034-1.046 / 1.026-1.033 / 1.010-1.014, 4k / 8k / 16k (the long band)
