@@ -100,7 +100,10 @@ class Tile:
 # Tiles per (head_dim, banded). Shared memory (bf16) is Q m*D*q_stages + (K + V)
 # n*D*kv_stages of the 227 KB a CTA can use: d64 2 x 24 (non-causal) or 16 + 64 KB; d96
 # 2 x 24 or 24 + 96 KB (the d128 tiles, not yet tuned); d128 2 x 32 or 32 + 128 KB; d256
-# 64 + 160 KB (n = 80 because K and V blocks of 128 keys would not fit twice).
+# 64 + 160 KB (n = 80 because K and V blocks of 128 keys would not fit twice). d256
+# without a mask on 64-key blocks (as its bands since 2026-12-03), against 80 (H200,
+# 2026-12-03, alternated twice in one call), 512 / 1k / 2k / 8k / 16k: 1.030-1.031 /
+# 0.987-0.988 / 0.984-0.986 / 0.970-0.971 / 0.908-1.023. Not kept.
 # d64 (H100, bench, CUPTI time): 3 consumers (m=192) vs 2 (m=128), TFLOP/s at s=1k/8k:
 #   non-causal 333/557 vs 323/457; causal 165/437 vs 235/458. Short causal tiles skip
 #   too little work per CTA at m=192.
