@@ -413,10 +413,15 @@ def export_only(args) -> int:
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     keep_root = args.keep.resolve() if args.keep else None  # compile_one changes directory
-    for name in names:
-        keep = str(keep_root / name) if keep_root else None
-        seconds = compile_one(by_name[name], str(out), keep)
-        print(f"{name}: compiled in {seconds:.1f}s -> {args.out}", flush=True)
+    # A fresh process per kernel: the DSL's global state includes the folder it keeps
+    # intermediates in, so in one process every kernel's PTX landed in the first's.
+    ctx = multiprocessing.get_context("spawn")
+    with futures.ProcessPoolExecutor(max_workers=1, mp_context=ctx,
+                                     max_tasks_per_child=1) as pool:
+        for name in names:
+            keep = str(keep_root / name) if keep_root else None
+            seconds = pool.submit(compile_one, by_name[name], str(out), keep).result()
+            print(f"{name}: compiled in {seconds:.1f}s -> {args.out}", flush=True)
     return 0
 
 
