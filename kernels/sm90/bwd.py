@@ -33,7 +33,9 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
           dK += dS^T Q; dS^T also goes to shared memory, where both consumers read it
           for their part of dQ = dS K: half of the head dims, or in 128-row tiles
           their 64 rows (BwdTile.dq_by_rows). The dK GEMM is issued after the dQ
-          GEMM, so that it runs while the dQ partial is staged.
+          GEMM, so that it runs while the dQ partial is staged. Atomic calls hand
+          each staged partial to the writer in the next step, once that step's first
+          GEMMs are issued (deterministic calls at once).
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
@@ -842,9 +844,7 @@ class BwdSm90:
         tiles = self._consumer_tiles(walk, smem, storage, c, tidx)
         cute.arch.mbarrier_wait(smem.kv_full, 0)
         self._walk_tiles(tiles, gmem, run, walk, smem, q_consumer, do_consumer)
-        if cutlass.const_expr(self.pair):  # the last step's exchange (bwd_pair)
-            steps = walk.heads[1] * (walk.m_end - walk.m_begin)
-            self._finish_pair(tiles, steps, smem, walk)
+        self._finish_walk(tiles, run, smem, walk)
         self.epilogue(tiles.acc_dk, tiles.acc_dv, run.scale, gmem, smem, walk, c, tidx, warp)
 
     @cute.jit
@@ -875,6 +875,19 @@ class BwdSm90:
                             is_masked, m, head, m, 1, tiles, gmem, run, walk, smem,
                             q_consumer, do_consumer,
                         )
+
+    @cute.jit
+    def _finish_walk(self, tiles, run: Scalars, smem: Smem, walk: Walk):
+        """After the last step: an atomic call hands the last staged dQ partial over
+        (_step defers each hand-off by one step)."""
+        if walk_steps(walk) > 0 and run.deterministic == 0:
+            self._hand_off_dq(tiles.c)
+
+    def _hand_off_dq(self, c: Int32):
+        """The staged dQ partial to consumer c's writer warp: this thread's shared
+        writes made visible to the bulk copy (async proxy), then DQ_FULL."""
+        cute.arch.fence_proxy("async.shared", space="cta")
+        self._dq_barrier(Barrier.DQ_FULL + c).arrive()
 
     def _consumer_tiles(self, walk: Walk, smem: Smem, storage, c: Int32, tidx: Int32):
         """Consumer c's operand fragments, accumulators and staging views (_Tiles)."""
@@ -947,6 +960,19 @@ class BwdSm90:
         do_handle = do_consumer.wait_and_advance()
         acc_dp = thr_sdp.make_fragment_C(s_shape)
         wgmma.gemm(self._sdp_mma(), acc_dp, frags.v, frags.do[None, None, None, stage], True)
+        # Atomic calls hand the previous step's dQ partial over here, behind this step's
+        # first GEMMs: the writer then has a whole step to read it before this step's
+        # partial needs the buffer (with the hand-off right after staging, ncu put 7.6%
+        # of d128's and 10% of d64's warp samples on it, and ptxas spilled 18 words at
+        # d64). Against that (H200, 2026-12-03, alternated twice in one call, 2k / 16k):
+        # atomic d64 1.00-1.05, causal 1.01-1.04; d96 1.03-1.08, causal 1.00-1.02; d128
+        # 1.02-1.04, causal 0.97-1.02. Deterministic calls hand over at once: a partial
+        # held back a step holds back every later key block's turn (held back, det d128
+        # causal 2k ran 0.96-0.97, d96 causal 0.97-0.98). The fence is unconditional:
+        # behind the same guard, ptxas spilled 56 bytes in the d64 kernels.
+        cute.arch.fence_proxy("async.shared", space="cta")
+        if staged_before > 0 and run.deterministic == 0:
+            self._dq_barrier(Barrier.DQ_FULL + c).arrive()
 
         warpgroup.wait_group(1)  # S^T
         s_rc = rows_cols(acc_s)
@@ -991,12 +1017,13 @@ class BwdSm90:
         warpgroup.wait_group(1)  # dV and dQ
         do_handle.release()
 
-        # Stage the dQ partial for the writer warp, in quads (module docstring).
+        # Stage the dQ partial for the writer warp, in quads (module docstring), once
+        # the writer has read the previous one.
         if staged_before > 0:
             self._dq_barrier(Barrier.DQ_EMPTY + c).arrive_and_wait()
         cute.autovec_copy(acc_quads(acc_dq, self.dq_vals), sdQ_c)
-        cute.arch.fence_proxy("async.shared", space="cta")
-        self._dq_barrier(Barrier.DQ_FULL + c).arrive()
+        if run.deterministic != 0:
+            self._hand_off_dq(c)
         warpgroup.wait_group(0)  # dK
         q_handle.release()
         return q_consumer, do_consumer
@@ -1087,6 +1114,11 @@ class _Tiles:
 
     def __init__(self, **views):
         self.__dict__.update(views)
+
+
+def walk_steps(walk: Walk):
+    """How many query tiles this CTA's consumers step through (_walk_tiles)."""
+    return walk.heads[1] * (walk.m_end - walk.m_begin)
 
 
 def _at_most(n, bound: int):

@@ -39,7 +39,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from kernels.config import BwdConfig
 from kernels.sm90 import bwd, bwd_pair, softcap, wgmma
 from kernels.sm90.bwd import (KEYS_PER_CONSUMER, QUAD, WARPGROUP, BwdSm90, Gmem, Scalars,
-                               Smem, Walk, _Tiles, acc_quads, dq_quads)
+                               Smem, Walk, _Tiles, acc_quads, dq_quads, walk_steps)
 from kernels.sm90.fragments import rows_cols
 
 
@@ -206,6 +206,12 @@ class BwdSm90SplitD(BwdSm90):
             self._add_dq(acc_quads(acc_dq, self.dq_vals), m, head, visit, c, tidx, gmem, run,
                          walk)
         return q_consumer, do_consumer
+
+    @cute.jit
+    def _finish_walk(self, tiles, run: Scalars, smem: Smem, walk: Walk):
+        """After the last step: a pair's last exchange (_finish_pair)."""
+        if cutlass.const_expr(self.pair):
+            self._finish_pair(tiles, walk_steps(walk), smem, walk)
 
     @cute.jit
     def _finish_pair(self, tiles, step: Int32, smem: Smem, walk: Walk):
