@@ -16,8 +16,8 @@
 #
 # Extra arguments go to pytest. Workers: 12 (at most 3/4 of the cores; WORKERS
 # overrides: 8 where GPU memory is short). The latest times, one part a device call
-# (7a70c9b1, 2026-12-03, one H200 at 12 workers): core 4.2 minutes, large 0.4, features
-# 4.3, heads 4.6. Every earlier time: tests/README.md, Part times.
+# (bd45a8fc, 2026-12-04, one H200 at 12 workers): core 4.8 minutes, large 0.4, features
+# 4.6, heads 5.3. Every earlier time: tests/README.md, Part times.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 part=${1:?usage: run_parts.sh quick|core|features|heads|large|multi|single [pytest args]}
