@@ -1,4 +1,4 @@
-"""One cell's kernels under Nsight Compute, jax_fa4 next to its peers, in one report.
+r"""One cell's kernels under Nsight Compute, jax_fa4 next to its peers, in one report.
 
     python -m bench.ncu --hdim 128 --seqlen 512 --causal true            # forward
     python -m bench.ncu --hdim 128 --seqlen 16384 --causal false --pass bwd
@@ -12,6 +12,16 @@ prints, per kernel: time, launch shape, how evenly the SMs were busy (cycles act
 min / mean / max against the elapsed cycles), issue slots and tensor pipe busy,
 eligible warps per scheduler, and the largest warp stall reasons (cycles per issued
 instruction). Shapes as bench.run's standard cells (16k tokens a batch, 2048 / D heads).
+
+    python -m bench.ncu --hdim 128 --seqlen 8192 --causal false --pass bwd \
+        --backends jax_fa4 --source kernelssm90bwd
+
+With --source REGEX, only the kernels whose names match REGEX are profiled, with warp
+state sampling per SASS instruction, and for each the printout adds where its warps
+wait: the share of all samples by opcode, and the instructions holding the most
+samples (`--top`, default 30) with their stall reasons and the instruction before
+each (a warp is sampled on the instruction it waits to issue). The report keeps the
+full source view: `ncu -i REPORT --page source --print-source sass`.
 """
 
 import argparse
@@ -43,6 +53,10 @@ _COLUMNS = (
 )
 _STALL = "smsp__average_warps_issue_stalled_"
 _STALL_END = "_per_issue_active.ratio"
+# The source page's columns (ncu --page source --csv): every warp sample on a SASS
+# instruction, and per stall reason (stall_*; the "(Not Issued)" ones are a subset).
+_SAMPLES = "Warp Stall Sampling (All Samples)"
+_SOURCE_SECTIONS = ("SourceCounters", "WarpStateStats")
 
 
 def _profiled(fn):
@@ -117,6 +131,73 @@ def _print(rows):
               + ", ".join(f"{name} {v:.2f}" for v, name in stalls[:6]))
 
 
+def _source_blocks(text):
+    """Nsight Compute's source page as CSV (one block per kernel: a "Kernel Name" row,
+    then the column names, then a row per SASS instruction) -> [(kernel, rows as
+    {column: text})]."""
+    blocks = []
+    lines = list(csv.reader(io.StringIO(text)))
+    i = 0
+    while i < len(lines):
+        if lines[i] and lines[i][0] == "Kernel Name":
+            kernel, header, rows = lines[i][1], lines[i + 1], []
+            i += 2
+            while i < len(lines) and lines[i] and lines[i][0] != "Kernel Name":
+                rows.append(dict(zip(header, lines[i])))
+                i += 1
+            blocks.append((kernel, rows))
+        else:
+            i += 1
+    return blocks
+
+
+def _count(row, column):
+    try:
+        return float(row.get(column, "").replace(",", ""))
+    except ValueError:
+        return 0.0
+
+
+def _opcode(instruction):
+    """SASS opcode with its modifiers, without a predicate guard (@P0, @!UP1)."""
+    words = instruction.split()
+    if words and words[0].startswith("@"):
+        words = words[1:]
+    return words[0] if words else ""
+
+
+def _print_source(blocks, top):
+    from bench.timing import short_name
+
+    for kernel, rows in blocks:
+        total = sum(_count(r, _SAMPLES) for r in rows)
+        if not rows or total == 0:
+            print(f"\n{short_name(kernel, 60)}: no warp samples")
+            continue
+        reasons = [c for c in rows[0] if c.startswith("stall_") and "Not Issued" not in c]
+        base = int(rows[0]["Address"], 16)
+        print(f"\n{short_name(kernel, 60)}: {total:.0f} warp samples over {len(rows)} "
+              "SASS instructions")
+        by_op = {}
+        for r in rows:
+            op = _opcode(r["Source"])
+            by_op[op] = by_op.get(op, 0.0) + _count(r, _SAMPLES)
+        ops = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
+        print("  by opcode: " + ", ".join(f"{op} {100 * n / total:.1f}%" for op, n in ops))
+        print("  share  offset  instruction (stall reasons: share of its samples) | before it")
+        order = sorted(range(len(rows)), key=lambda i: -_count(rows[i], _SAMPLES))
+        for i in order[:top]:
+            r = rows[i]
+            n = _count(r, _SAMPLES)
+            if n == 0:
+                break
+            why = sorted(((_count(r, c), c[len("stall_"):]) for c in reasons), reverse=True)
+            why = " ".join(f"{name} {100 * v / n:.0f}%" for v, name in why[:2] if v > 0)
+            before = rows[i - 1]["Source"].strip() if i else ""
+            print(f"  {100 * n / total:5.2f}%  {int(r['Address'], 16) - base:6x}  "
+                  f"{r['Source'].strip()[:56]:56s} ({why}) | {before[:40]}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -125,6 +206,10 @@ def main():
     ap.add_argument("--causal", choices=("false", "true"), required=True)
     ap.add_argument("--pass", dest="pass_", default="fwd", choices=("fwd", "bwd", "bwd_det"))
     ap.add_argument("--backends", default="jax_fa4,jax_cudnn")
+    ap.add_argument("--source", metavar="REGEX",
+                    help="profile only these kernels, with per-instruction warp samples")
+    ap.add_argument("--top", type=int, default=30,
+                    help="with --source: instructions listed per kernel")
     args = ap.parse_args()
     if os.environ.get(_CHILD):
         return _child(args)
@@ -135,8 +220,10 @@ def main():
     report = os.path.join(out, f"ncu-{cell}")
     command = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "-f",
                "-o", report, "--metrics", ",".join(_METRICS)]
-    for section in _SECTIONS:
+    for section in _SECTIONS + (_SOURCE_SECTIONS if args.source else ()):
         command += ["--section", section]
+    if args.source:
+        command += ["-k", f"regex:{args.source}", "--import-source", "no"]
     command += [sys.executable, "-m", "bench.ncu", *sys.argv[1:]]
     # Without JAX's preallocated pool, ncu saves and restores (between its replay
     # passes) only the memory in use: minutes less a cell.
@@ -144,6 +231,11 @@ def main():
                                              "XLA_PYTHON_CLIENT_PREALLOCATE": "false"})
     print(f"\n{cell} ({report}.ncu-rep)")
     _print(_table(report + ".ncu-rep"))
+    if args.source:
+        page = subprocess.run(["ncu", "--import", report + ".ncu-rep", "--page", "source",
+                               "--csv", "--print-source", "sass"], check=True,
+                              capture_output=True, text=True).stdout
+        _print_source(_source_blocks(page), args.top)
 
 
 if __name__ == "__main__":

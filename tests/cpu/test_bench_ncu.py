@@ -43,3 +43,41 @@ def test_printed_row(ncu, capsys):
     assert "48" in kernel and kernel[-1] == "0.90/0.96/0.97"
     # stall reasons largest first, without the not-issued total
     assert lines[2].endswith("long_scoreboard 1.25, barrier 0.85")
+
+
+SOURCE = (
+    '"Kernel Name","kernel_cutlass_kernel_kernelssm90bwdBwdSm90_object_at__x",\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier",'
+    '"stall_long_sb","stall_long_sb (Not Issued)"\n'
+    '"0x7f00","      MEMBAR.ALL.CTA","10","0","10","10"\n'
+    '"0x7f10","      FENCE.VIEW.ASYNC.S","20","0","15","15"\n'
+    '"0x7f20","@!P0  BAR.ARV R3, 0xa0","60","0","60","60"\n'
+    '"0x7f30","      BAR.SYNC.DEFER_BLOCKING R4, 0xa0","10","10","0","0"\n'
+    '"0x7f40","      EXIT","0","0","0","0"\n'
+    '"Kernel Name","kernel_cutlass_kernel_kernelssm90bwdBwdSm90_object_at__y",\n'
+    '"Address","Source","Warp Stall Sampling (All Samples)","stall_barrier"\n'
+    '"0x100","      EXIT","0","0"\n'
+)
+
+
+def test_source_page_splits_per_kernel(ncu):
+    blocks = ncu._source_blocks(SOURCE)
+    assert [len(rows) for _, rows in blocks] == [5, 1]
+    assert blocks[0][1][2]["Source"].strip() == "@!P0  BAR.ARV R3, 0xa0"
+
+
+def test_printed_source_lines(ncu, capsys):
+    ncu._print_source(ncu._source_blocks(SOURCE), top=2)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].endswith("100 warp samples over 5 SASS instructions")
+    # opcodes without their predicate guard, largest share first
+    assert lines[2] == ("  by opcode: BAR.ARV 60.0%, FENCE.VIEW.ASYNC.S 20.0%, "
+                        "MEMBAR.ALL.CTA 10.0%, BAR.SYNC.DEFER_BLOCKING 10.0%, EXIT 0.0%")
+    # the two busiest instructions: offset from the kernel's first, reasons, predecessor
+    top = lines[4:6]
+    assert top[0].split()[:3] == ["60.00%", "20", "@!P0"]
+    assert "(long_sb 100%)" in top[0] and top[0].endswith("| FENCE.VIEW.ASYNC.S")
+    assert top[1].split()[:3] == ["20.00%", "10", "FENCE.VIEW.ASYNC.S"]
+    assert "(long_sb 75%)" in top[1]
+    # then the next kernel, which has no samples
+    assert lines[6:] == ["", "kernel_kernelssm90bwdBwdSm90: no warp samples"]
