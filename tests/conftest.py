@@ -15,6 +15,11 @@ import os
 # of each would add compile time and does not change what they check (float32
 # references, and our kernels, which XLA does not tune). Read when the backend starts.
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
+# Under pytest-xdist each worker is a process of its own with one GPU client: with
+# JAX's default pool (75% of the GPU's memory each) every worker but the first fails
+# its first allocation, and so does every test it runs.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
