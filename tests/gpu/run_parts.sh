@@ -67,7 +67,11 @@ workers=(-n "${WORKERS:-$n}" --dist loadgroup)
 case "$part" in large | multi) workers=() ;; esac
 # A part that finds no GPU or no built module fails: its tests would all skip and pass.
 export JAX_FA4_REQUIRE_NATIVE=1 JAX_FA4_REQUIRE_GPU=1
-# The slowest tests are listed above the summary: where the part's minutes go.
+# The slowest tests are listed above the summary, and every test's time goes to
+# JUNIT_DIR/PART.xml (default build/gpu-parts): `python tests/gpu/part_times.py` says
+# where the part's minutes go.
+junit=${JUNIT_DIR:-build/gpu-parts}
+mkdir -p "$junit"
 # shellcheck disable=SC2086  # the file list splits on purpose
 XLA_PYTHON_CLIENT_PREALLOCATE=false exec python3 -m pytest -q -m gpu -p no:cacheprovider \
-  --durations=25 "${workers[@]}" $files "$@"
+  --durations=25 --junitxml "$junit/$part.xml" "${workers[@]}" $files "$@"
