@@ -43,7 +43,7 @@ def main(argv=None):
             per_file[file][0] += 1
             per_file[file][1] += seconds
         total = sum(s for _, s in per_file.values())
-        print(f"{path}: {len(rows)} tests, {wall:.0f} s wall, {total:.0f} s of test time")
+        print(f"{path}: {len(rows)} tests, {wall:.1f} s wall, {total:.1f} s of test time")
         for file, (count, seconds) in sorted(per_file.items(), key=lambda kv: -kv[1][1]):
             print(f"  {file:36s} {count:5d} tests {seconds:8.1f} s  {100 * seconds / total:5.1f}%")
     print(f"slowest {args.top}:")
