@@ -39,3 +39,13 @@ def test_times_per_file_and_slowest(tmp_path, capsys):
     assert lines[2].split()[:3] == ["test_fast.py", "1", "tests"]
     assert lines[3] == "slowest 1:"
     assert lines[4].endswith("test_slow.py::test_a") and len(lines) == 5
+
+
+def test_report_of_instant_tests(tmp_path, capsys):
+    report = tmp_path / "part.xml"
+    report.write_text('<testsuites><testsuite time="0.0">'
+                      '<testcase classname="tests.gpu.test_gpu_x" name="test_a" time="0.0"/>'
+                      '</testsuite></testsuites>')
+    _part_times().main([str(report)])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1].split() == ["test_gpu_x.py", "1", "tests", "0.0", "s", "0.0%"]

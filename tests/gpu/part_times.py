@@ -45,7 +45,8 @@ def main(argv=None):
         total = sum(s for _, s in per_file.values())
         print(f"{path}: {len(rows)} tests, {wall:.1f} s wall, {total:.1f} s of test time")
         for file, (count, seconds) in sorted(per_file.items(), key=lambda kv: -kv[1][1]):
-            print(f"  {file:36s} {count:5d} tests {seconds:8.1f} s  {100 * seconds / total:5.1f}%")
+            share = 100 * seconds / total if total else 0.0
+            print(f"  {file:36s} {count:5d} tests {seconds:8.1f} s  {share:5.1f}%")
     print(f"slowest {args.top}:")
     for file, name, seconds in sorted(every, key=lambda r: -r[2])[:args.top]:
         print(f"  {seconds:7.2f} s  {file}::{name}")
