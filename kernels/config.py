@@ -712,6 +712,14 @@ _BWD_TILES = {
 # 0.97-1.01 / 0.99-1.01, causal 0.91 / 0.98 / 1.03-1.12 / 1.00-1.01. With the dK GEMM
 # last, ptxas serializes that kernel's wgmma (C7512); with dK first it is the kernel
 # measured here, so it was not built again.
+# Also measured and not kept (H200, 2026-12-04, alternated twice in one call, 2k / 16k;
+# bench/results/h200/2026-12-04-ab-bwd-dq-red.jsonl): atomic calls adding each dQ
+# partial from the consumers' registers with red.global.add.v4.f32 (eight a thread and
+# step, in the accumulator's quad layout), with no staging, fence or writer warp, every
+# tile of d64 to d128 (module 258c8889, against bd45a8fc): d64 0.96-0.99, causal
+# 0.97-1.00; d96 0.92-0.96, causal 0.94-0.98; d128 0.94-0.95, causal 0.88-0.96
+# (deterministic calls, unchanged, 0.96-1.02). The writer's bulk reduce-add costs the
+# consumers less than their own vector reduce-adds. Not profiled.
 # Also measured and not kept (branch bwd-deferred-q-release; H200, 2026-11-28,
 # alternated twice in one call, 2k / 16k): the dK GEMM reading dS^T from shared memory
 # (where the dQ GEMM reads it) and waited for in the next tile, after that tile's first
