@@ -656,6 +656,26 @@ class BwdTile:
 # behind the next tile's turn and copy; branch det-deferred-flag), against the writer
 # above (H200, 2026-11-28, alternated twice in one call), deterministic d256 2k / 8k /
 # 16k: 0.97 / 0.99 / 0.96-0.97, causal 0.98 / 0.97 / 0.97. Not kept.
+# What the turns cost the pairs (H200, 2026-12-04, alternated twice in one call, 2k /
+# 16k, against module bd45a8fc; bench/results/h200/2026-12-04-ab-bwd-det-turn-probes
+# .jsonl and -chain-probes.jsonl), wrong-order probes of the writer's deterministic
+# adds: the turn passed on without waiting for the adds to complete, d256 1.00, 192 /
+# 128 1.00-1.01; no wait for the turn, d256 1.11-1.13, causal 1.08-1.10, 192 / 128
+# 1.03-1.06, causal 1.08-1.09; pairs two or four to a turn (chains of a half or a
+# quarter the length), d256 1.01-1.03, causal 0.99-1.00. So neither the adds' latency
+# nor the chain's length costs the tenth, but the wait itself, between the consumers'
+# hand-off and the add, while the Q slot holding the sum waits with it. The turn
+# waited for before the hand-off instead (the semaphore polled while the consumers
+# compute; module f3416a41): 192 / 128 1.10-1.12, causal 1.07-1.08; d64 and d128
+# (1-CTA) 0.96-1.02; d256's first deterministic call (2k, no mask) did not finish in
+# 150 s. Not understood, so not kept (docs/performance.md has the change).
+# Also not kept: a writer lane per Q stage, each handed its sums on an mbarrier of
+# its stage (module 743a7417), hung at once: PipelineTmaAsync's release signals from
+# lane 0 only, so lane 1's was lost; and lanes of one warp reconverge after each
+# divergent wait, so their waits would not overlap anyway (two writer warps a consumer
+# would; the producer warpgroup has one warp spare). The 1-CTA writer freeing sdQ once
+# read, before waiting for its adds to complete (module ddde886a), deterministic d64 /
+# d128: 0.99-1.01 / 0.95-1.03, within the noise.
 # 2-CTA pairs on the tiles split by keys (d64 tall, d96, d128; branch bwd-pair-sdq): the
 # peer's dQ half-part lands in sdQ, which shrinks to half-parts, and the writer warp
 # frees it once its bulk add has read the pair's sum (ptxas: no spills at d64, where
