@@ -10,8 +10,8 @@
 #
 # Each run is stopped after AB_TIMEOUT seconds (default 300; raise it for long runs).
 # Writes $OUT/<label>-<rep>.jsonl (and .txt) for rep 1, 2, and all of them again in one
-# file, $OUT.tar (a device call brings back 8 files: put its OUT folders one level below
-# its $OUT, and the tars come back first). With --generate after the
+# file, $OUT.tar, on any exit (a device call brings back 8 files: put its OUT folders one
+# level below its $OUT, and the tars come back first). With --generate after the
 # builds, each run is the generation example's instead (its arguments follow):
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --generate --preset gpu --batch 32
@@ -31,8 +31,10 @@ out=${OUT:-build/ab-out}
 mkdir -p "$out"
 keep=$(mktemp -d)
 cp -r jax_fa4 "$keep/"
-# The checkout's own jax_fa4 back, also after a failed run: later commands use it.
-trap 'rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"' EXIT
+# The checkout's own jax_fa4 back, also after a failed run: later commands use it. The
+# runs' files go into $out.tar on any exit too: a device call brings back only a few
+# files, and a build that hangs in rep 1 would otherwise leave the others' lines behind.
+trap 'tar -cf "$out.tar" -C "$out" .; rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"' EXIT
 for rep in 1 2; do
   for build in $builds; do
     label=${build%%=*}
@@ -54,4 +56,3 @@ for rep in 1 2; do
       }
   done
 done
-tar -cf "$out.tar" -C "$out" .
