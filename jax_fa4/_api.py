@@ -369,10 +369,11 @@ def _add_sinks(out, lse, sinks):
     sink = sinks.astype(jnp.float32)[:, None]  # (H, 1) against lse (B, H, Sq)
     lse_sunk = jnp.logaddexp(lse, sink)
     # A row that sees no key keeps out = 0 (its weight is exp(-inf) = 0); a -inf sink
-    # on such a row would make lse' = -inf, where the weight is defined as 0 too.
-    finite = jnp.isfinite(lse_sunk)
-    weight = jnp.exp(lse - jnp.where(finite, lse_sunk, 0.0))
-    weight = jnp.where(finite, weight, 0.0)
+    # on such a row would make lse' = -inf, where the weight is defined as 0 too. A NaN
+    # sink gives NaN out and lse, as the reference does.
+    empty = lse_sunk == -jnp.inf
+    weight = jnp.exp(lse - jnp.where(empty, 0.0, lse_sunk))
+    weight = jnp.where(empty, 0.0, weight)
     scaled = out.astype(jnp.float32) * jnp.swapaxes(weight, -1, -2)[..., None]
     return scaled.astype(out.dtype), lse_sunk
 

@@ -33,9 +33,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     `implementation=None` of `jax_fa4.attention`: the kernel on a Hopper GPU, cuDNN or
     the reference elsewhere, with a warning on a GPU).
 
-    One difference, where jax.nn's own paths disagree too: a query row that sees no key
+    Differences, where jax.nn's own paths disagree too: a query row that sees no key
     (inside its query length, with a window or key length that leaves it nothing) gives
-    out = 0 and residual = -inf; jax.nn's XLA path averages every value there instead.
+    out = 0 and residual = -inf, where jax.nn's XLA path averages every value; a padded
+    query row (past its query length) gives residual = -inf, where jax.nn's XLA path
+    gives a large finite negative number.
     """
     arguments = dict(bias=bias, mask=mask, scale=scale, is_causal=is_causal,
                      query_seq_lengths=query_seq_lengths,
@@ -46,12 +48,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
                                             implementation=implementation)
     if implementation is not None:
         raise ValueError(f"Unsupported implementation option: {implementation}")
-    query_seq_lengths, key_value_seq_lengths = (
-        None if x is None else jnp.asarray(x) for x in (query_seq_lengths,
-                                                        key_value_seq_lengths))
+    # Array-likes (lists, NumPy arrays), as jax.nn takes them.
+    query, key, value, mask, query_seq_lengths, key_value_seq_lengths = (
+        None if x is None else jnp.asarray(x)
+        for x in (query, key, value, mask, query_seq_lengths, key_value_seq_lengths))
     _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask)
-    if scale is not None and not isinstance(scale, jax.core.Tracer) and np.ndim(scale) == 0:
-        scale = float(scale)  # a concrete jax or NumPy scalar, as jax.nn takes it
+    if scale is not None and not isinstance(scale, jax.core.Tracer) and np.size(scale) == 1:
+        # a concrete jax or NumPy scalar (or one-element array), as jax.nn takes it
+        scale = float(np.reshape(scale, ()))
+    if not isinstance(is_causal, jax.core.Tracer):
+        is_causal = bool(is_causal)  # np.bool_ / a concrete jax bool
     rank3 = len(query.shape) == 3
     q, k, v = (x[None] if rank3 else x for x in (query, key, value))
     mask_kind = _adapters.read_mask(mask, q.shape[1], k.shape[1])
@@ -113,10 +119,13 @@ def _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask) ->
             raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
         # (B, N, T, S), or (N, T, S) for rank-3 inputs
         scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
-        try:
-            fits = np.broadcast_shapes(tuple(mask.shape), scores) == scores
-        except ValueError:  # shapes that do not broadcast at all
-            fits = False
-        if not fits:
+        if not _broadcasts_to(tuple(mask.shape), scores):
             raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to the "
                              f"scores' shape {scores}")
+
+
+def _broadcasts_to(shape, target) -> bool:
+    """Whether `shape` broadcasts to `target` without changing it; symbolic dims
+    (jax.export) compare equal only to themselves."""
+    return len(shape) <= len(target) and all(
+        d == 1 or d == t for d, t in zip(reversed(shape), reversed(target)))

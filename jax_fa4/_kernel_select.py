@@ -71,7 +71,8 @@ def kernel_support(spec: AttentionSpec) -> tuple[bool, str]:
     """Whether a compiled kernel covers the spec (devices are `_path`'s concern)."""
     if kernel_dtype(spec) is None:
         return False, (
-            f"dtype {spec.dtype} has no kernel; the kernels take bfloat16 or float16"
+            f"dtype {spec.dtype} has no kernel; the kernels take bfloat16 or float16 "
+            "(float8_e4m3fn with descales)"
         )
     if spec.softmax_scale <= 0:
         return False, f"the kernels need softmax_scale > 0; got {spec.softmax_scale}"

@@ -95,7 +95,9 @@ def _attend(q, k, v, visibility: _masks.Visibility, *, softmax_scale, softcap, s
     l = jnp.sum(p, axis=-1, keepdims=True)
     if sinks is not None:
         l = l + jnp.exp(sink - m)
-    seen = l > 0
+    # Nothing seen: l is exactly 0. A NaN l (a NaN score or sink) counts as seen, so that
+    # out and lse are NaN too, as on the kernel path, rather than 0 and -inf.
+    seen = l != 0
     # Dividing by 1 where nothing was seen keeps out = 0 and the gradient finite.
     l_safe = jnp.where(seen, l, jnp.ones_like(l))
     out = jnp.einsum("...hgqk,...khd->...qhgd", (p / l_safe).astype(cd), v.astype(cd),

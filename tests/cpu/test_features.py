@@ -15,6 +15,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jax_fa4
+from jax_fa4._api import _add_sinks
 from jax_fa4._reference import reference_attention
 
 TOL = dict(atol=5e-5, rtol=5e-5)
@@ -200,6 +201,30 @@ def test_row_without_key_and_with_sink():
     np.testing.assert_array_equal(out[:, 0], 0.0)  # row 0 aligns with key -1
     np.testing.assert_array_equal(lse[0, :, 0], sinks)
     np.testing.assert_allclose(dsinks, 1.0)
+
+
+def test_a_nan_score_or_sink_gives_nan_out_and_lse():
+    # A NaN softmax denominator had counted as "no key seen": lse = -inf for a NaN query,
+    # and with a NaN sink a finite, unnormalized out.
+    q, k, v, sinks, _, _ = _inputs(1, 3, 4, 2, 2, 8, 8)
+    out, lse = jax_fa4.attention(q.at[0, 1, 0, 0].set(jnp.nan), k, v, return_lse=True)
+    assert np.isnan(out[0, 1, 0]).all() and np.isnan(lse[0, 0, 1])
+    assert np.isfinite(out[0, 0]).all() and np.isfinite(lse[0, :, 0]).all()
+    out, lse = jax_fa4.attention(q, k, v, sinks=sinks.at[1].set(jnp.nan), return_lse=True)
+    assert np.isnan(out[:, :, 1]).all() and np.isnan(lse[:, 1]).all()
+    assert np.isfinite(out[:, :, 0]).all() and np.isfinite(lse[:, 0]).all()
+
+
+def test_kernel_path_sinks_keep_nan_and_empty_rows():
+    # The sinks step after the kernels (_api._add_sinks): a NaN sink had given out = 0.
+    out = jnp.ones((1, 2, 2, 4), jnp.bfloat16)  # (B, Sq, H, Dv)
+    lse = jnp.array([[[0.0, -jnp.inf], [0.0, -jnp.inf]]])  # (B, H, Sq): row 1 saw no key
+    scaled, sunk = _add_sinks(out, lse, jnp.array([jnp.nan, -jnp.inf]))
+    assert np.isnan(np.asarray(scaled[0, :, 0], np.float32)).all()
+    assert np.isnan(sunk[0, 0]).all()
+    np.testing.assert_array_equal(np.asarray(scaled[0, :, 1], np.float32),
+                                  [[1.0] * 4, [0.0] * 4])
+    np.testing.assert_array_equal(sunk[0, 1], [0.0, -np.inf])
 
 
 def test_sinks_gradient_by_finite_differences():

@@ -166,3 +166,29 @@ def test_a_concrete_jax_scalar_scale_is_taken_like_jax_nn():
     want = jax_fa4.dot_product_attention(q, k, v, scale=0.25)
     for scale in (jnp.float32(0.25), jnp.array(0.25)):
         np.testing.assert_array_equal(jax_fa4.dot_product_attention(q, k, v, scale=scale), want)
+
+
+def test_array_likes_and_concrete_flags_are_taken_like_jax_nn():
+    q, k, v, _ = _inputs(4, t=4, s=4)
+    want = jax_fa4.dot_product_attention(q, k, v, scale=0.25, is_causal=True)
+    got = jax_fa4.dot_product_attention(
+        np.asarray(q).tolist(), np.asarray(k), v, scale=jnp.array([0.25]),
+        is_causal=jnp.bool_(True))
+    np.testing.assert_array_equal(got, want)
+    mask = np.tril(np.ones((4, 4), bool)).tolist()
+    np.testing.assert_array_equal(jax_fa4.dot_product_attention(q, k, v, scale=0.25,
+                                                                mask=mask), want)
+
+
+@pytest.mark.parametrize("mask", [jnp.ones((T, S), bool), jnp.tril(jnp.ones((T, S), bool))])
+def test_exports_with_a_symbolic_batch_and_a_mask(mask):
+    # The mask's shape check had run NumPy's broadcast on the symbolic batch (TypeError).
+    (b,) = jax.export.symbolic_shape("b")
+    q, k, v, _ = _inputs(4)
+
+    def fn(q, k, v):
+        return jax_fa4.dot_product_attention(q, k, v, mask=mask)
+
+    args = [jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype) for x in (q, k, v)]
+    exported = jax.export.export(jax.jit(fn))(*args)
+    np.testing.assert_allclose(exported.call(q, k, v), fn(q, k, v), rtol=1e-6, atol=1e-6)

@@ -119,7 +119,7 @@ def test_supports_reasons(built, monkeypatch):
     f32 = sds(2, 16, 4, 64, dtype=jnp.float32)
     support = jax_fa4.supports(f32, f32, f32)
     assert support == (False, "dtype float32 has no kernel; the kernels take bfloat16 or "
-                       "float16; implementation=None runs the pure-JAX reference (O(Sq * "
+                       "float16 (float8_e4m3fn with descales); implementation=None runs the pure-JAX reference (O(Sq * "
                        "Sk) memory per head)")
     assert support.path == "reference"
 
