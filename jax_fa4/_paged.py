@@ -29,8 +29,8 @@ from jax_fa4 import (_api, _fallback, _ffi_calls, _float8, _kernel_select, _kv_f
 PAGE_ROWS = 16
 GATHER_WARNING = (
     "jax_fa4.paged_attention gathers the pages of this call into a dense copy of K and V "
-    "before the attention kernel (the paged kernels take page sizes that are multiples of "
-    f"{PAGE_ROWS} at head dims 64, 128 and 256): it reads the cache about "
+    "before attention (the paged kernels run on Hopper GPUs, at page sizes that are "
+    f"multiples of {PAGE_ROWS} and head dims 64, 128 and 256): it reads the cache about "
     "three times per step")
 
 
@@ -201,7 +201,9 @@ def gather(cache, page_table):
     X): each batch's pages in table order, ids clipped to the cache."""
     pages = jnp.clip(page_table, 0, cache.shape[0] - 1)
     dense = jnp.take(cache, pages, axis=0)
-    return dense.reshape(page_table.shape[0], -1, *cache.shape[2:])
+    # Sizes written out: with B or Hkv of 0, reshape cannot infer a -1.
+    batch, max_pages = page_table.shape
+    return dense.reshape(batch, max_pages * cache.shape[1], *cache.shape[2:])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -231,6 +233,15 @@ def _check(q, k_cache, v_cache, page_table, kv_lengths) -> None:
         raise ValueError(
             "k_cache and v_cache must have the same (num_pages, page_size, Hkv); got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    # Checked here in the caches' terms: `attention` would name the gathered shapes.
+    heads_q, heads_kv = q.shape[2], k_cache.shape[2]
+    if heads_q % heads_kv if heads_kv else heads_q:
+        raise ValueError(f"q's heads Hq = {heads_q} must be a multiple of the caches' heads "
+                         f"Hkv = {heads_kv} (GQA/MQA); got q {tuple(q.shape)}, k_cache "
+                         f"{tuple(k_cache.shape)}")
+    if q.shape[3] != k_cache.shape[3]:
+        raise ValueError(f"q and k_cache must have the same head_dim D; got q "
+                         f"{tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
     num_pages, page_size = k_cache.shape[:2]
     if num_pages < 1 or page_size < 1:
         raise ValueError(f"the cache needs at least one page of at least one key; got "

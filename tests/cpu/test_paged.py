@@ -158,8 +158,12 @@ def test_gradients_are_refused():
     (dict(page_table=jnp.zeros((B, 2), jnp.float32)), "page_table must be an int32 array"),
     (dict(kv_lengths=None), "kv_lengths must be an int32 array"),
     (dict(kv_lengths=jnp.zeros((B, 1), jnp.int32)), "kv_lengths must be an int32 array"),
+    # in the caches' terms, not the gathered keys' (B, max_pages * page_size, Hkv, D)
     (dict(k_cache=jnp.zeros((8, 16, 3, D)), v_cache=jnp.zeros((8, 16, 3, D))),
-     "multiple of the key/value heads"),
+     r"multiple of the caches' heads Hkv = 3 \(GQA/MQA\); got q \(3, 1, 4, 16\), "
+     r"k_cache \(8, 16, 3, 16\)"),
+    (dict(q=jnp.zeros((B, 1, HQ, 2 * D))),
+     r"same head_dim D; got q \(3, 1, 4, 32\), k_cache \(8, 16, 2, 16\)"),
 ])
 def test_validation(change, message):
     args = dict(q=jnp.zeros((B, 1, HQ, D)), k_cache=jnp.zeros((8, 16, HKV, D)),
@@ -255,3 +259,13 @@ def test_warns_on_a_gpu_that_pages_are_gathered(monkeypatch, fresh_warnings):
     # (The fake GPU, no Hopper, also brings the fallback's own warning.)
     assert [str(w.message) for w in caught if "gathers" in str(w.message)] == [
         _paged.GATHER_WARNING]
+
+
+@pytest.mark.parametrize("batch,heads_kv", [(0, HKV), (B, 0)])
+def test_empty_batch_or_heads(batch, heads_kv):
+    # The gather's reshape had inferred a -1 from a size of 0 (ZeroDivisionError).
+    q = jnp.zeros((batch, 1, heads_kv * 2, D))
+    cache = jnp.zeros((8, 16, heads_kv, D))
+    out, lse = jax_fa4.paged_attention(q, cache, cache, jnp.zeros((batch, 2), jnp.int32),
+                                       jnp.zeros((batch,), jnp.int32), return_lse=True)
+    assert out.shape == q.shape and lse.shape == (batch, heads_kv * 2, 1)
