@@ -16,16 +16,18 @@ would partition over a sharded sequence by gathering K/V on every device. `guard
 its q, k, v through an identity under the same rule, which passes batch and head
 sharding through and refuses a sharded sequence.
 
-`custom_partitioning` has no batching rule, so `custom_vmap` folds vmapped axes into the
-batch dimension (exact, since batch elements are independent) and calls it again; a
-descale table (no batch axis) that varies along the vmapped axis makes it one call per
-element instead.
+`custom_partitioning` has no batching rule, so `custom_vmap` calls it again with the
+vmapped axes in front, which the partitioning passes through as it does the batch (so a
+vmapped axis and a sharded batch behind it stay where they are), and each device folds
+them into its batch (exact, since batch elements are independent); a descale table (no
+batch axis) that varies along the vmapped axis makes it one call per element instead.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -91,33 +93,43 @@ def sharded(fn, signature: Signature, ring):
     """fn(spec, *operands) -> results, every operand and result batch-first, made
     partitionable over batch and heads (and the sequence, through
     ring(fn, spec, axis_name, *operands) on each device; ring None refuses a sharded
-    sequence) and batchable by vmap. Returns f(spec) -> op(*operands)."""
+    sequence) and batchable by vmap. Returns f(spec) -> op(*operands).
 
-    def shardings(spec, mesh, arg_shapes, names):
-        axes = _axes(signature, spec, mesh, arg_shapes, ring is not None)
+    vmapped axes stay leading axes of the partitioned call, passed through as the batch
+    is, and fold into the batch on each device: folded before partitioning, a vmapped
+    axis left whole in front of a sharded batch would make XLA gather the batch."""
+
+    def shardings(spec, mesh, arg_shapes, names, lead):
+        axes = _axes(signature, spec, mesh, arg_shapes, ring is not None, lead)
         return tuple(NamedSharding(mesh, _partition_spec(name, *axes)) for name in names)
 
-    def partition(spec, mesh, arg_shapes, result_shape):
-        _, _, seq = _axes(signature, spec, mesh, arg_shapes, ring is not None)
-        per_device = (functools.partial(fn, spec) if seq is None
-                      else functools.partial(ring, fn, spec, seq))
-        return (mesh, per_device,
-                shardings(spec, mesh, arg_shapes, signature.results),
-                shardings(spec, mesh, arg_shapes, signature.operands))
-
-    def infer_sharding_from_operands(spec, mesh, arg_shapes, result_shape):
-        # Used by the GSPMD partitioner (Shardy uses the rule).
-        return shardings(spec, mesh, arg_shapes, signature.results)
-
     @functools.cache
-    def partitioned(group_size, one_kv_head):
+    def partitioned(group_size, one_kv_head, lead):
         # The rule's query-head factor depends on the grouping, so one op per grouping.
         # With one key/value head (MQA) the query heads are a factor of their own: Shardy
         # refuses a compound factor (h g) whose h has size 1.
-        op = custom_partitioning(fn, static_argnums=(0,))
+        def run(spec, *operands):
+            return _fold_leading(functools.partial(fn, spec), signature, lead, operands)
+
+        def partition(spec, mesh, arg_shapes, result_shape):
+            _, _, _, seq = _axes(signature, spec, mesh, arg_shapes, ring is not None, lead)
+            per_device = (functools.partial(fn, spec) if seq is None
+                          else functools.partial(ring, fn, spec, seq))
+            return (mesh,
+                    lambda *operands: _fold_leading(per_device, signature, lead, operands),
+                    shardings(spec, mesh, arg_shapes, signature.results, lead),
+                    shardings(spec, mesh, arg_shapes, signature.operands, lead))
+
+        def infer_sharding_from_operands(spec, mesh, arg_shapes, result_shape):
+            # Used by the GSPMD partitioner (Shardy uses the rule).
+            return shardings(spec, mesh, arg_shapes, signature.results, lead)
+
+        op = custom_partitioning(run, static_argnums=(0,))
         grouped = group_size > 1 and not one_kv_head
         hq = "(h g)" if grouped else "g" if group_size > 1 else "h"
-        op.def_partition(partition=partition, sharding_rule=signature.rule.format(hq=hq),
+        op.def_partition(partition=partition,
+                         sharding_rule=_leading_rule(signature, signature.rule.format(hq=hq),
+                                                     lead),
                          infer_sharding_from_operands=infer_sharding_from_operands,
                          **({"g": group_size} if grouped else {}))
         return op
@@ -126,12 +138,14 @@ def sharded(fn, signature: Signature, ring):
     def for_spec(spec):
         @jax.custom_batching.custom_vmap
         def batched(*operands):
-            # operands[1] is k (B, Sk, Hkv, D) in every signature.
-            op = partitioned(spec.group_size, operands[1].shape[2] == 1)
+            # operands[0] is q (..., B, Sq, Hq, D) and operands[1] k (..., B, Sk, Hkv, D)
+            # in every signature, behind any vmapped axes.
+            lead = operands[0].ndim - 4
+            op = partitioned(spec.group_size, operands[1].shape[-2] == 1, lead)
             return op(spec, *operands)
 
         @batched.def_vmap
-        def fold(axis_size, in_batched, *operands):
+        def stack(axis_size, in_batched, *operands):
             shared = [name == "descale" for name in signature.operands]
             if any(b and s for b, s in zip(in_batched, shared)):
                 # A table per element: the kernels take one per call.
@@ -141,14 +155,35 @@ def sharded(fn, signature: Signature, ring):
                         (True,) * len(signature.results))
             operands = (x if b or s else jnp.broadcast_to(x, (axis_size, *x.shape))
                         for x, b, s in zip(operands, in_batched, shared))
-            results = batched(*(x if s else x.reshape(-1, *x.shape[2:])
-                                for x, s in zip(operands, shared)))
-            return (tuple(r.reshape(axis_size, -1, *r.shape[1:]) for r in results),
-                    (True,) * len(results))
+            return tuple(batched(*operands)), (True,) * len(signature.results)
 
         return batched
 
     return for_spec
+
+
+def _leading_rule(signature: Signature, rule: str, lead: int) -> str:
+    """The Shardy rule with `lead` vmapped axes (factors l0, l1, ...) in front of every
+    operand but the descale table, and of every result."""
+    if not lead:
+        return rule
+    prefix = " ".join(f"l{i}" for i in range(lead)) + " "
+    operands, results = rule.split(" -> ")
+    operands = ", ".join(term if name == "descale" else prefix + term
+                         for name, term in zip(signature.operands, operands.split(", ")))
+    return f"{operands} -> {', '.join(prefix + term for term in results.split(', '))}"
+
+
+def _fold_leading(call, signature: Signature, lead: int, operands):
+    """call(*operands) with the `lead` vmapped axes in front of the batch merged into it
+    (the descale table has none), and split off its results again."""
+    if not lead:
+        return call(*operands)
+    outer, batch = operands[0].shape[:lead], operands[0].shape[lead]
+    merged = math.prod(outer) * batch  # written out: a size of 0 leaves no -1 to infer
+    flat = [x if name == "descale" else x.reshape(merged, *x.shape[lead + 1:])
+            for name, x in zip(signature.operands, operands)]
+    return tuple(r.reshape(*outer, batch, *r.shape[1:]) for r in call(*flat))
 
 
 def _identity(spec, *operands):
@@ -172,32 +207,44 @@ def _guard_jvp(spec, primals, tangents):
     return guard(spec, *primals), tangents
 
 
-def _partition_spec(name, batch, heads, seq) -> PartitionSpec:
+def _partition_spec(name, leading, batch, heads, seq) -> PartitionSpec:
+    """`name`'s sharding: q's vmapped axes (`leading`), batch, heads and sequence."""
     if name == "descale":
         return PartitionSpec(None, heads)
     if name in ("lse", "dlse"):
-        return PartitionSpec(batch, heads, seq)
+        return PartitionSpec(*leading, batch, heads, seq)
     if name == "rows":
-        return PartitionSpec(batch, None, seq)
+        return PartitionSpec(*leading, batch, None, seq)
     if name == "keys":
-        return PartitionSpec(batch, seq)
-    return PartitionSpec(batch, seq, heads, None)
+        return PartitionSpec(*leading, batch, seq)
+    return PartitionSpec(*leading, batch, seq, heads, None)
 
 
-def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
-    """(batch, heads, sequence): the mesh axes q (the first operand) is sharded over.
+def _sharded_dims(arg) -> tuple:
+    """The mesh axes of each of arg's dims (None where whole)."""
+    spec = tuple(arg.sharding.spec)
+    return spec + (None,) * (len(arg.shape) - len(spec))
+
+
+def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool, lead: int):
+    """(vmapped axes, batch, heads, sequence): the mesh axes q (the first operand) is
+    sharded over, behind its `lead` vmapped axes (which every operand and result but the
+    descale table has, sharded as q's).
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
     refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
     sequence without a ring, a band ring over a sequence the mesh axes do not divide or,
     causal or windowed, over query and key sequences of different lengths (the segment
     ring takes any), and a head sharding that does not split the key/value heads (the
     second operand) into whole groups."""
-    q_spec = tuple(arg_shapes[0].sharding.spec) + (None,) * 4
+    q_dims = _sharded_dims(arg_shapes[0])
+    leading, q_spec = q_dims[:lead], q_dims[lead:]
     seq, heads = q_spec[1], q_spec[2]
+    # the operands' shapes behind the vmapped axes: q's and k's
+    q_shape, k_shape = arg_shapes[0].shape[lead:], arg_shapes[1].shape[lead:]
     for name, arg in zip(signature.operands, arg_shapes):
         if name == "descale":  # (3, Hkv): no sequence or head_dim; its heads follow k's
             continue
-        dims = tuple(arg.sharding.spec) + (None,) * (len(arg.shape) - len(arg.sharding.spec))
+        dims = _sharded_dims(arg)[lead:]
         if name not in _SEQ_AXIS and dims[3] is not None:
             raise NotImplementedError(
                 f"jax_fa4.attention: {name} is sharded along its head_dim axis "
@@ -226,7 +273,7 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
     # The segment ring takes any band and lengths: they are in the rows, in global indices.
     band_ring = seq is not None and "rows" not in signature.operands
     banded = spec.causal or spec.window != (None, None)
-    uneven = [n for n in (arg_shapes[0].shape[1], arg_shapes[1].shape[1])
+    uneven = [n for n in (q_shape[1], k_shape[1])
               if band_ring and n % _axes_size(mesh, seq)]
     if uneven:
         # jit's inputs split evenly, but a sharding constraint inside it may not: the
@@ -237,20 +284,19 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool):
             f"{_axes_size(mesh, seq)} devices ({seq!r}), which do not divide it; the ring "
             "needs equal chunks. Pad the sequence to a multiple and pass kv_lengths (and "
             "q_lengths) for the padding, or shard batch or heads.")
-    if band_ring and banded and arg_shapes[0].shape[1] != arg_shapes[1].shape[1]:
+    if band_ring and banded and q_shape[1] != k_shape[1]:
         raise NotImplementedError(
             "jax_fa4.attention: causal or windowed attention over a sharded sequence needs "
-            f"queries and keys of one length (got {arg_shapes[0].shape[1]} and "
-            f"{arg_shapes[1].shape[1]}): the ring reads the band in global positions, "
-            "shared by both. With kv_lengths (or q_lengths) it runs the segment ring, "
-            "which takes any lengths.")
-    if heads is not None and arg_shapes[1].shape[2] % _axes_size(mesh, heads):
+            f"queries and keys of one length (got {q_shape[1]} and {k_shape[1]}): the "
+            "ring reads the band in global positions, shared by both. With kv_lengths (or "
+            "q_lengths) it runs the segment ring, which takes any lengths.")
+    if heads is not None and k_shape[2] % _axes_size(mesh, heads):
         raise NotImplementedError(
             f"jax_fa4.attention: the heads are sharded {_axes_size(mesh, heads)} ways "
-            f"({heads}), which does not divide the {arg_shapes[1].shape[2]} key/value heads: "
+            f"({heads}), which does not divide the {k_shape[2]} key/value heads: "
             "each device needs the key/value heads of its query heads. Shard the heads by a "
             "divisor of Hkv, or shard the batch.")
-    return q_spec[0], heads, seq
+    return leading, q_spec[0], heads, seq
 
 
 def _axes_size(mesh, axes) -> int:

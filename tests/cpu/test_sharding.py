@@ -286,6 +286,57 @@ def test_vmap_folds_into_batch(built):
         assert_same(out[i], ref)
 
 
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+@pytest.mark.parametrize("spec", [P(None, "data", None, "model", None),
+                                  P("data", None, None, "model", None),
+                                  P(None, None, None, ("data", "model"), None)],
+                         ids=["batch", "vmapped", "heads"])
+def test_vmap_over_a_sharded_call_needs_no_collectives(request, mesh, spec, path):
+    # A vmapped axis had been folded into the batch before partitioning: left whole in
+    # front of a sharded batch, it made XLA gather the batch (three all-gathers).
+    q, k, v, dout = (jnp.stack([x, x[::-1]]) for x in inputs(b=4))
+    options = dict(causal=True)
+    if path == "kernel":
+        request.getfixturevalue("built")
+        assert_kernel_path(q[0], k[0], v[0], causal=True)
+    else:
+        options["implementation"] = "reference"
+
+    def loss(q, k, v, dout):
+        out = jax.vmap(functools.partial(jax_fa4.attention, **options))(q, k, v)
+        return jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32))
+
+    shard = NamedSharding(mesh, spec)
+    fwd = jax.jit(jax.vmap(functools.partial(jax_fa4.attention, **options)),
+                  in_shardings=(shard,) * 3)
+    assert not COLLECTIVES.findall(compiled_text(fwd, q, k, v))
+    out = fwd(q, k, v)
+    assert out.sharding.is_equivalent_to(shard, 5)
+    step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=(shard,) * 4)
+    text = compiled_text(step, q, k, v, dout)
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    assert scalar_all_reduces(text)
+    _, grads = step(q, k, v, dout)
+    _, want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
+    for i in range(2):
+        assert_same(out[i], jax_fa4.attention(q[i], k[i], v[i], causal=True,
+                                              implementation="reference"))
+    for g, w in zip(grads, want):
+        assert_same(g, w)
+
+
+def test_vmap_over_a_sequence_sharded_call_runs_the_ring(built, mesh):
+    q, k, v, _ = (jnp.stack([x, x[::-1]]) for x in inputs(b=2, sq=32, sk=32))
+    shard = NamedSharding(mesh, P("data", None, "model", None, None))
+    fwd = jax.jit(jax.vmap(functools.partial(jax_fa4.attention, causal=True)),
+                  in_shardings=(shard,) * 3)
+    assert set(COLLECTIVES.findall(compiled_text(fwd, q, k, v))) == {"collective-permute"}
+    out = fwd(q, k, v)
+    for i in range(2):
+        assert_same(out[i], jax_fa4.attention(q[i], k[i], v[i], causal=True,
+                                              implementation="reference"))
+
+
 def test_shard_map_gradients(built, mesh):
     # Queries split along the sequence over "data", k and v replicated there: the
     # gradients of k and v are the sums of every device's contribution.
