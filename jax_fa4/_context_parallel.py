@@ -50,8 +50,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    banded = causal or window is not None
-    if banded and q.shape[1] != k.shape[1]:
+    left, right = _global_band(causal, window)
+    # A window unbounded on both sides (as validated) is no band: any chunk lengths.
+    if (left, right) != (None, None) and q.shape[1] != k.shape[1]:
         raise ValueError("causal or windowed ring attention needs query and key chunks of "
                          f"the same length; got q {q.shape} and k {k.shape}")
     if (q_segment_ids is None) != (kv_segment_ids is None):
@@ -60,7 +61,6 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     if q.shape[1] % halves or k.shape[1] % halves:
         raise ValueError(f"the zigzag layout needs even local lengths; got q {q.shape} "
                          f"and k {k.shape}")
-    left, right = _global_band(causal, window)
     n = lax.axis_size(axis_name)
     me = lax.axis_index(axis_name)
     length = q.shape[1] // halves

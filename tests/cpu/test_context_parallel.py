@@ -215,6 +215,12 @@ def test_zigzag_round_trip_and_validation(mesh):
     with pytest.raises(ValueError, match="same length"):
         jax.shard_map(functools.partial(ring_attention, axis_name="seq", window=(4, 4)),
                       mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q, kv, kv)
+    # A window unbounded on both sides is no band: cross-attention chunks of any length.
+    for window in ((None, None), (2**31, 2**31)):
+        out = jax.shard_map(functools.partial(ring_attention, axis_name="seq", window=window),
+                            mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q, kv, kv)
+        np.testing.assert_allclose(out, jax_fa4.attention(q, kv, kv, implementation="reference"),
+                                   rtol=2e-5, atol=2e-5)
     seg = segment_ids()
     with pytest.raises(ValueError, match="together"):
         jax.shard_map(lambda q, k, v, s: ring_attention(q, k, v, axis_name="seq",
