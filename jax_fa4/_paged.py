@@ -92,10 +92,11 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
 
     def gathered(implementation):
         # The descales reach it as `table`, an argument: closed over, they would leak
-        # out of _inference_only's custom_vjp as tracers under jax.grad.
-        attention = functools.partial(_api.attention, **options, return_lse=True,
+        # out of _inference_only's custom_vjp as tracers under jax.grad. lse only where
+        # it is used: asked for, cuDNN (on a GPU the kernels do not run on) refuses.
+        attention = functools.partial(_api.attention, **options,
                                       implementation=implementation)
-        return functools.partial(_gathered, attention)
+        return functools.partial(_gathered, attention, return_lse or table is not None)
 
     if spec is None:
         if _path.gpu_devices() and implementation != "reference":
@@ -169,16 +170,20 @@ def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v
     return (out, lse, *caches)
 
 
-def _gathered(attention, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new,
-              table):
+def _gathered(attention, with_lse, q, k_cache, v_cache, page_table, kv_lengths, sinks,
+              k_new, v_new, table):
     descales = {} if table is None else dict(k_descale=table[1], v_descale=table[2])
     caches = ()
     if k_new is not None:
         k_cache = append(k_cache, k_new, page_table, kv_lengths)
         v_cache = append(v_cache, v_new, page_table, kv_lengths)
         caches = (k_cache, v_cache)
-    out, lse = attention(q, gather(k_cache, page_table), gather(v_cache, page_table),
-                         kv_lengths=kv_lengths, sinks=sinks, **descales)
+    result = attention(q, gather(k_cache, page_table), gather(v_cache, page_table),
+                       kv_lengths=kv_lengths, sinks=sinks, return_lse=with_lse, **descales)
+    if not with_lse:  # the caller drops it: a stand-in
+        batch, seqlen_q, heads = q.shape[:3]
+        result = result, jnp.zeros((batch, heads, seqlen_q), jnp.float32)
+    out, lse = result
     return (out, lse, *caches)
 
 

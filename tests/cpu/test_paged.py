@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _paged, _path
+from jax_fa4 import _api, _paged, _path
 
 B, HQ, HKV, D = 3, 4, 2, 16
 
@@ -269,3 +269,23 @@ def test_empty_batch_or_heads(batch, heads_kv):
     out, lse = jax_fa4.paged_attention(q, cache, cache, jnp.zeros((batch, 2), jnp.int32),
                                        jnp.zeros((batch,), jnp.int32), return_lse=True)
     assert out.shape == q.shape and lse.shape == (batch, heads_kv * 2, 1)
+
+
+def test_the_gather_asks_for_lse_only_when_it_is_returned(monkeypatch):
+    # cuDNN refuses calls that return lse: on a GPU the kernels do not run on, a paged
+    # call that returns none had always taken the reference instead.
+    rng = np.random.default_rng(4)
+    _, _, k_cache, v_cache, table = _cache(rng, 16, 2, 8)
+    q = jnp.asarray(rng.standard_normal((B, 1, HQ, D)), jnp.float32)
+    lengths = jnp.asarray([3, 20, 32], jnp.int32)
+    asked, attention = [], _api.attention
+
+    def recording(*args, **kwargs):
+        asked.append(kwargs["return_lse"])
+        return attention(*args, **kwargs)
+
+    monkeypatch.setattr(_api, "attention", recording)
+    out = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths)
+    with_lse, _ = jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, return_lse=True)
+    assert asked == [False, True]
+    np.testing.assert_array_equal(out, with_lse)
