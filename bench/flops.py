@@ -13,6 +13,8 @@ def visible_pairs(seqlen_q: int, seqlen_k: int, causal: bool, window_left=None) 
     Square causal counts S * S / 2, the papers' convention, not S * (S + 1) / 2; a
     window counts its pairs exactly."""
     if window_left is not None:
+        if not causal:
+            raise ValueError("window_left counts a causal sliding window: pass causal=True")
         offset = seqlen_k - seqlen_q
         return sum(max(0, min(seqlen_k, i + offset + 1) - max(0, i + offset - window_left))
                    for i in range(seqlen_q))
@@ -30,5 +32,7 @@ def attention_flops(b, h, seqlen_q, seqlen_k, d, causal, mode, dv=None, window_l
     attending within itself."""
     pairs = documents * visible_pairs(seqlen_q // documents, seqlen_k // documents, causal,
                                       window_left)
+    if mode not in ("fwd", "bwd", "bwd_det"):
+        raise ValueError(f"mode must be fwd, bwd or bwd_det; got {mode!r}")
     fwd = 2 * b * h * pairs * (d + (dv or d))
-    return fwd * (2.5 if mode == "bwd" else 1.0)
+    return fwd * (1.0 if mode == "fwd" else 2.5)

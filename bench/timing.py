@@ -20,7 +20,8 @@ def _cupti_ms(fn, *args, iterations):
     _, times = profiler.measure(fn, iterations=iterations)(*args)
     if not times:
         raise RuntimeError("no GPU kernels were launched")
-    return statistics.median(times)
+    # One iteration gives one float, not a list of them.
+    return statistics.median(times) if iterations > 1 else times
 
 
 def kernel_times(fn, *args, iterations=10):

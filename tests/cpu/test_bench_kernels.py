@@ -80,3 +80,38 @@ def test_cold_timing_refuses_a_call_it_cannot_find(bench, monkeypatch):
     monkeypatch.setattr(timing, "kernel_times", lambda fn, *args, iterations: next(runs))
     with pytest.raises(RuntimeError, match="not found"):
         timing.cold_cupti_ms(lambda q: q, 1.0, iterations=5)
+
+
+@pytest.mark.parametrize("iterations", [1, 3])
+def test_cupti_median_of_one_or_more_iterations(bench, monkeypatch, iterations):
+    # The profiler gives one float for one iteration: the median of it had raised.
+    from jax.experimental.mosaic.gpu import profiler
+
+    times = [0.5, 0.7, 0.6][:iterations]
+    monkeypatch.setattr(profiler, "measure", lambda fn, *, iterations: lambda *args: (
+        fn(*args), times[0] if iterations == 1 else times))
+    assert bench[1]._cupti_ms(lambda x: x, 1.0, iterations=iterations) == (
+        0.5 if iterations == 1 else 0.6)
+
+
+def test_flops_of_each_pass(bench_module):
+    flops = bench_module("flops")
+    fwd = flops.attention_flops(1, 1, 8, 8, 64, True, "fwd")
+    assert fwd == 2 * 32 * 128
+    # the deterministic backward does the backward's work (it had counted as a forward)
+    assert flops.attention_flops(1, 1, 8, 8, 64, True, "bwd_det") == 2.5 * fwd
+    with pytest.raises(ValueError, match="mode"):
+        flops.attention_flops(1, 1, 8, 8, 64, True, "backward")
+    with pytest.raises(ValueError, match="causal sliding window"):
+        flops.visible_pairs(8, 8, False, window_left=2)
+
+
+def test_the_anchor_is_a_peer_on_an_h100_only(bench, capsys):
+    run = bench[0]
+    row = {"jax_fa4": {"ms": 1.0, "tflops": 500.0}, "jax_cudnn": {"ms": 1.2, "tflops": 400.0}}
+    anchors = {(64, 2048, False, "bwd"): 520.0}
+    for mode, is_peer, ratio in (("bwd", True, "0.96"), ("bwd", False, "1.25"),
+                                 ("bwd_det", True, "0.96")):
+        run.print_row(row, row, ["jax_fa4", "jax_cudnn"], anchors, mode, 64, False, 2048,
+                      is_peer)
+        assert capsys.readouterr().out.split(" | ")[-2:] == [ratio, "520 |\n"]

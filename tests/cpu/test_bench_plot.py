@@ -106,3 +106,13 @@ def test_readme_shows_the_tables_the_committed_results_make(plot):
         for line in text.splitlines():
             if line.startswith("| "):
                 assert line in readme, line
+
+
+def test_cold_l2_lines_are_not_standard_cells_and_devices_are_named(plot, tmp_path):
+    path = tmp_path / "2026-12-03-h200.jsonl"
+    device = "NVIDIA H200"
+    path.write_text("\n".join([_line(timing="cupti", device=device),
+                               _line(timing="cupti-cold", tflops=580.0, device=device)]))
+    assert plot.standard_cells([path]) == {
+        ("jax_fa4", "fwd", 128, False, 2048): (600.0, "2026-11-24")}
+    assert plot.devices([path]) == ["H200"]
