@@ -3,9 +3,9 @@
     bash run.sh demo                       # sets up .venv, builds, runs this
     python examples/demo.py --seqlen 8192 --causal
 
-On a Hopper GPU the call runs jax_fa4's CuTe-DSL kernel; anywhere else it runs the
-pure-JAX reference. The demo says which path ran, how fast, and how far the result is
-from the fp32 reference.
+On a Hopper GPU the call runs jax_fa4's CuTe-DSL kernel; on another GPU cuDNN (through
+jax.nn) where it takes the call, else the pure-JAX reference, as on a CPU. The demo says
+which path ran, how fast, and how far the result is from the fp32 reference.
 """
 
 import argparse
@@ -41,8 +41,9 @@ def main():
     kq, kk, kv = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(key, (b, seqlen, h, d), dtype) for key in (kq, kk, kv))
 
-    kernel, reason = jax_fa4.supports(q, k, v, causal=args.causal)
-    path = "jax_fa4 CuTe-DSL kernel" if kernel else f"pure-JAX reference ({reason})"
+    support = jax_fa4.supports(q, k, v, causal=args.causal)
+    path = {"kernel": "jax_fa4 CuTe-DSL kernel", "cudnn": f"cuDNN ({support[1]})",
+            "reference": f"pure-JAX reference ({support[1]})"}[support.path]
     attention = jax.jit(lambda q, k, v: jax_fa4.attention(q, k, v, causal=args.causal))
     reference = jax.jit(lambda q, k, v: jax_fa4.attention(
         q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),

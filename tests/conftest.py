@@ -53,9 +53,11 @@ def pytest_report_header(config):
 
 
 def pytest_collection_modifyitems(config, items):
-    from jax_fa4 import _registry
+    from jax_fa4 import _path, _registry
 
     backend = jax.default_backend()
+    # The kernels are built for sm_90a only: elsewhere the GPU tests would fail, not test.
+    hopper = backend == "gpu" and any(_path.is_hopper(d) for d in jax.devices())
     not_built = _registry.native_reason()
     if not_built and os.environ.get("JAX_FA4_REQUIRE_NATIVE") == "1":
         raise pytest.UsageError(f"JAX_FA4_REQUIRE_NATIVE=1 but {not_built}")
@@ -72,5 +74,8 @@ def pytest_collection_modifyitems(config, items):
         if "gpu" in item.keywords and backend != "gpu":
             item.add_marker(pytest.mark.skip(
                 reason=f"needs a GPU; jax.default_backend() is {backend!r}"))
+        elif "gpu" in item.keywords and not hopper:
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs a Hopper GPU (sm_90); found {_path.describe(jax.devices())}"))
         elif ("gpu" in item.keywords or "native" in item.keywords) and not_built:
             item.add_marker(pytest.mark.skip(reason=not_built))
