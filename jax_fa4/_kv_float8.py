@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import (_fallback, _ffi_calls, _kernel_select, _pack_gqa, _path, _sharding,
-                     _validate, _vjp)
+                     _split_kv, _validate, _vjp)
 from jax_fa4._float8 import descale_table
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
@@ -86,11 +86,22 @@ def kernel_spec(spec: AttentionSpec, sizes: tuple) -> AttentionSpec | None:
     None where no float8-KV kernel takes it (the call then dequantizes)."""
     if spec.path not in ("cute", "platform") or not all(isinstance(n, int) for n in sizes):
         return None
+    if too_large(spec, sizes):
+        return None
     kv = dataclasses.replace(spec, kv_float8=True, pack_gqa=False, split_kernel=True,
                              num_splits=1, long_rows=False)
     if _kernel_select.kernel_head_dims(kv) is None:
         return None
     return _path.with_split(_path.with_packing(kv, *sizes[2:]), sizes, always=True)
+
+
+def too_large(spec: AttentionSpec, sizes: tuple) -> str:
+    """Why no float8-KV kernel can write this call's out ('' where one can): every one
+    is a split kernel, whose out view has 32-bit offsets (_split_kv.OUT_VIEW_ELEMENTS)."""
+    if _split_kv.out_view_fits(*sizes[:3], spec.head_dim_v):
+        return ""
+    return ("out has 2^31 elements or more, past the 32-bit out view of the float8-KV "
+            "kernels (split kernels)")
 
 
 def dequantized(k, v, descales):

@@ -114,7 +114,7 @@ def with_split(spec: AttentionSpec, sizes: tuple, always: bool = False) -> Atten
             isinstance(n, int) for n in sizes):
         return spec
     split = _kernel_select.fwd_kernel(dataclasses.replace(spec, split_kernel=True))
-    if split is None:
+    if split is None or not _split_kv.out_view_fits(batch, heads, seqlen_q, spec.head_dim_v):
         return spec
     if spec.pack_gqa:
         heads, seqlen_q = heads // spec.group_size, seqlen_q * spec.group_size

@@ -24,6 +24,10 @@ MAX_SPLITS = 128
 # Each split walks at least this many key blocks: the prologue (Q load, first K/V
 # loads) and the partial's store are paid once per split.
 MIN_BLOCKS_PER_SPLIT = 2
+# The split kernels (and their combine) address the caller's out (B, Sq, Hq, Dv) through
+# a view whose strides they compute in 32 bits (kernels/sm90/combine.py `unpacked`):
+# from this many elements of out its offsets would wrap, so such calls run unsplit.
+OUT_VIEW_ELEMENTS = 2**31
 # Split only when the unsplit grid fills less than this share of the SMs.
 FILL = 0.8
 # Decode-shaped calls (the query rows of a batch and head, pack-GQA's included, fit one
@@ -76,3 +80,8 @@ def num_splits(ctas: int, key_blocks: int, sm_count: int) -> int:
         return 1
     splits = min(sm_count // ctas, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
     return max(splits, 1)
+
+
+def out_view_fits(batch: int, heads: int, seqlen_q: int, head_dim_v: int) -> bool:
+    """Whether the split kernels' out view (OUT_VIEW_ELEMENTS) addresses this out."""
+    return batch * seqlen_q * heads * head_dim_v < OUT_VIEW_ELEMENTS

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _paged
+from jax_fa4 import _api, _kv_float8, _paged, _path
 
 E4M3 = jnp.float8_e4m3fn
 B, SQ, SK, HQ, HKV, D = 2, 3, 200, 8, 2, 64
@@ -214,3 +214,17 @@ def test_kv_float8_supports_names_what_runs(built):
     assert not ok and "Hopper" in reason and path == "reference"
     with pytest.raises(ValueError, match="q_descale"):
         jax_fa4.supports(q, kv, kv, q_descale=KD)
+
+
+@pytest.mark.parametrize("batch,kernel", [(1, True), (2, False)])
+def test_kv_float8_outs_past_the_split_view_dequantize(built, batch, kernel):
+    # Every float8-KV kernel is a split kernel, whose out view has 32-bit offsets: an out
+    # of 2^31 elements or more runs the bf16 kernels on the dequantized K/V instead.
+    q = jax.ShapeDtypeStruct((batch, 65536, 128, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((batch, 65536, 8, 128), E4M3)
+    spec = _api._plan(q, _kv_float8.as_bfloat16(kv), _kv_float8.as_bfloat16(kv),
+                      causal=False, softmax_scale=None, return_lse=False,
+                      implementation=None)
+    sizes = _path.sizes(q, kv, varlen=False)
+    assert (_kv_float8.kernel_spec(spec, sizes) is not None) == kernel
+    assert bool(_kv_float8.too_large(spec, sizes)) != kernel

@@ -128,3 +128,15 @@ def test_symbolic_sizes_do_not_split(built):
     assert spec.num_splits == 1
     assert _api._plan(q, kv, kv, causal=False, softmax_scale=None, return_lse=False,
                       implementation=None).num_splits > 1
+
+
+@pytest.mark.parametrize("batch,split", [(16384, True), (32768, False)])
+def test_outs_past_the_split_kernels_view_run_unsplit(built, batch, split):
+    # The split kernels compute their out view's offsets in 32 bits: a decode-shaped call
+    # (one position of 64 query heads per K/V head: one 64-row tile) whose out has 2^31
+    # elements would have written the batches past 2^31 elsewhere. It runs unsplit.
+    q, kv = sds(batch, 1, 256, 256), sds(batch, 320, 4, 256)
+    spec = _api._plan(q, kv, kv, causal=False, softmax_scale=None, return_lse=False,
+                      implementation=None)
+    assert spec.split_kernel == split, spec
+    assert _split_kv.out_view_fits(batch, 256, 1, 256) == split
