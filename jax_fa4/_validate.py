@@ -197,6 +197,11 @@ def _static_number(name: str, value) -> float:
     number = float(value)
     if not math.isfinite(number):
         raise ValueError(f"{name} must be finite; got {number}")
+    # Every path computes with it in float32: past its range it would be inf, and a
+    # subnormal (or 0 for a nonzero number) would blow up a division or drop out.
+    if number and not np.finfo(np.float32).tiny <= abs(number) <= np.finfo(np.float32).max:
+        raise ValueError(f"{name} must be a normal float32 (the kernels and the "
+                         f"reference take it in float32); got {number}")
     return number
 
 

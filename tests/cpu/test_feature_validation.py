@@ -107,6 +107,9 @@ def hopper(built, monkeypatch):
     (KV, KV, dict(softcap=0.0), r"softcap must be > 0 \(or None for no softcap\); got 0.0"),
     (KV, KV, dict(softcap=-1), r"softcap must be > 0"),
     (KV, KV, dict(softcap=float("nan")), r"softcap must be finite"),
+    # in float32 it would have been 0 (no softcap on the kernels) or made scale / cap inf
+    (KV, KV, dict(softcap=1e-46), r"softcap must be a normal float32"),
+    (KV, KV, dict(softcap=1e-40), r"softcap must be a normal float32"),
     (KV, KV, dict(softcap="50"), r"softcap must be a static Python number; got str"),
     (KV, KV, dict(sinks=sds(2, dtype=F32)),
      r"sinks must be a floating-point array of shape \(Hq,\) = \(4,\); "

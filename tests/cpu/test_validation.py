@@ -56,6 +56,9 @@ def test_malformed_operands(entry, q, k, v, match):
     (dict(softmax_scale=jnp.float32(0.1)), r"static Python number; got ArrayImpl"),
     (dict(softmax_scale=float("nan")), r"softmax_scale must be finite"),
     (dict(softmax_scale=float("inf")), r"softmax_scale must be finite"),
+    # float32 is what every path computes with: these had passed as nonzero and finite
+    (dict(softmax_scale=1e-40), r"softmax_scale must be a normal float32"),
+    (dict(softmax_scale=-1e39), r"softmax_scale must be a normal float32"),
 ])
 @pytest.mark.parametrize("entry", [jax_fa4.attention, jax_fa4.supports])
 def test_malformed_arguments(entry, kwargs, match):
