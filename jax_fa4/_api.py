@@ -148,7 +148,8 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
     _kv_float8.check(q, k, v, descales, out_dtype)
     spec = _plan(q, _kv_float8.as_bfloat16(k), _kv_float8.as_bfloat16(v), **options,
                  **arrays)
-    kernel_spec = _kv_float8.kernel_spec(spec, _path.sizes(q, k, varlen=False))
+    sizes = _path.sizes(q, k, varlen=False)
+    kernel_spec = _kv_float8.kernel_spec(spec, sizes)
     arrays.update(q_lengths=_masks.clip_lengths(arrays["q_lengths"], q.shape[1]),
                   kv_lengths=_masks.clip_lengths(arrays["kv_lengths"], k.shape[1]))
     table = _kv_float8.table(descales, k.shape[-2])
@@ -158,7 +159,7 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
     else:
         if spec.path != "reference":
             _kv_float8.warn_dequantized(
-                _kv_float8.too_large(spec, _path.sizes(q, k, varlen=False))
+                _kv_float8.too_large(spec, sizes)
                 or _kernel_select.kernel_support(dataclasses.replace(
                     spec, kv_float8=True, split_kernel=True, long_rows=False))[1]
                 or "no Hopper GPU for the kernels")

@@ -76,6 +76,12 @@ def scalar_all_reduces(text) -> bool:
     return all(re.fullmatch(r"\(?f32\[\](, f32\[\])*\)?", t) for t in reduced)
 
 
+def assert_only_the_loss_is_reduced(text):
+    """Compiled HLO `text` crosses devices only to sum the scalar loss terms."""
+    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
+    assert scalar_all_reduces(text)
+
+
 def assert_step_matches(step, causal, args, *, value_rtol, grad_atol, **options):
     """The sharded loss_and_grads `step` equals the unsharded one."""
     value, grads = step(*args)
@@ -116,9 +122,7 @@ def test_sharded_gradients_need_no_collectives_and_match(built, mesh, causal):
     # sees the kernels' operands as arrays it could gather.
     assert step.lower(q, k, v, dout).as_text().count("@CustomSPMDPartitioning") == 2
     text = compiled_text(step, q, k, v, dout)
-    # Only the scalar loss terms are reduced across devices.
-    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
-    assert scalar_all_reduces(text)
+    assert_only_the_loss_is_reduced(text)
     assert_step_matches(step, causal, (q, k, v, dout), value_rtol=1e-5, grad_atol=2e-2)
 
 
@@ -314,8 +318,7 @@ def test_vmap_over_a_sharded_call_needs_no_collectives(request, mesh, spec, path
     assert out.sharding.is_equivalent_to(shard, 5)
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=(shard,) * 4)
     text = compiled_text(step, q, k, v, dout)
-    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
-    assert scalar_all_reduces(text)
+    assert_only_the_loss_is_reduced(text)
     _, grads = step(q, k, v, dout)
     _, want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
     for i in range(2):
@@ -448,8 +451,7 @@ def test_reference_path_partitions_over_batch_and_heads(mesh, name):
 
     step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)), in_shardings=(shard,) * 4)
     text = compiled_text(step, q, k, v, dout)
-    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
-    assert scalar_all_reduces(text)
+    assert_only_the_loss_is_reduced(text)
     value, grads = step(q, k, v, dout)
     ref_value, ref_grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(q, k, v, dout)
     # The loss sums B * Sq * H * D float32 terms of both signs (head_dim 320: 491,520
@@ -536,8 +538,7 @@ def test_segment_kernels_partition_over_batch_and_heads(built, mesh):
                    in_shardings=(shard,) * 4 + (id_shard,))
     assert step.lower(q, k, v, dout, ids).as_text().count("@CustomSPMDPartitioning") == 2
     text = compiled_text(step, q, k, v, dout, ids)
-    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
-    assert scalar_all_reduces(text)
+    assert_only_the_loss_is_reduced(text)
     value, grads = step(q, k, v, dout, ids)
     ref = jax.value_and_grad(lambda q, k, v: jnp.sum(jax_fa4.attention(
         q, k, v, causal=True, implementation="reference", **ids).astype(jnp.float32)
@@ -668,8 +669,7 @@ def test_varlen_kernels_partition_over_heads_and_the_packed_axis(built, mesh):
                    in_shardings=(shard,) * 4)
     assert step.lower(q, k, v, dout).as_text().count("@CustomSPMDPartitioning") == 2
     text = compiled_text(step, q, k, v, dout)
-    assert set(COLLECTIVES.findall(text)) <= {"all-reduce"}, COLLECTIVES.findall(text)
-    assert scalar_all_reduces(text)
+    assert_only_the_loss_is_reduced(text)
     value, grads = step(q, k, v, dout)
     ref_value, ref_grads = jax.value_and_grad(functools.partial(loss, "reference"),
                                               argnums=(0, 1, 2))(q, k, v, dout)
