@@ -16,6 +16,23 @@ import pathlib
 
 # A run may time several backends (jax_fa4_paged next to jax_fa4_lengths, say).
 KEY = ("mode", "d", "causal", "s", "b", "h", "backend")
+# bench.run's optional fields (a record has those its run set): cells that differ in one
+# are different cells, e.g. the same shape with and without a window appended to one file.
+FEATURES = ("dtype", "kv_dtype", "h_kv", "window", "softcap", "documents", "sq",
+            "page_size", "dv")
+
+
+def _cell(r: dict) -> tuple:
+    """A record's cell: KEY's values, then (name, value) of each feature it has."""
+    return (tuple(r.get(k) for k in KEY)
+            + tuple((f, r[f]) for f in FEATURES if r.get(f) is not None))
+
+
+def _features(cell: tuple) -> str:
+    """The features of a cell as a label, e.g. " window=1024 dv=128" (dtype only when not
+    bfloat16, the runs' default)."""
+    return "".join(f" {f}={v}" for f, v in cell[len(KEY):]
+                   if not (f == "dtype" and v == "bfloat16"))
 
 
 def _load(path: pathlib.Path) -> dict:
@@ -25,12 +42,13 @@ def _load(path: pathlib.Path) -> dict:
         if r.get("mode") == "error":
             cell = {**r, "mode": r.get("failed_mode")}
             print(f"  failed in {path.name}: " + " ".join(
-                f"{k}={cell.get(k)}" for k in KEY) + f": {r.get('err', '')}")
+                f"{k}={cell.get(k)}" for k in KEY) + _features(_cell(cell))
+                + f": {r.get('err', '')}")
         elif "tokens_per_s" in r:  # examples/generate.py: seconds per token, a time
             for model, rate in r["tokens_per_s"].items():
                 cells[("generate", r["config"]["batch"], model)] = 1 / rate
         else:
-            cells[tuple(r.get(k) for k in KEY)] = r["ms"]
+            cells[_cell(r)] = r["ms"]
     return cells
 
 
@@ -79,9 +97,9 @@ def main(argv=None):
             if cell[0] == "generate":
                 continue
             ratios = _ratios(reps, cell)
-            mode, d, causal, s, _, _, backend = cell
+            mode, d, causal, s, _, _, backend = cell[:len(KEY)]
             mask = "causal" if causal else "full"
-            name = "" if backend in (None, "jax_fa4") else f" {backend}"
+            name = ("" if backend in (None, "jax_fa4") else f" {backend}") + _features(cell)
             print(f"  {mode:7} d{d:<4} {mask:6} s{s:<6} "
                   f"{reps[0][0][cell]:8.4f} ms  " + "  ".join(f"{x:.3f}" for x in ratios)
                   + name)

@@ -82,3 +82,21 @@ def test_a_failed_cell_is_named_not_a_crash(tmp_path, capsys, bench_module):
     assert "failed in new-2.jsonl: mode=fwd d=64 causal=True" in out and "boom" in out
     assert "fwd d64 causal: 1.000 - 1.000" in out  # the run that measured it
     assert "fwd d64 full: 1.000 - 2.000" in out
+
+
+def test_feature_fields_keep_cells_apart(tmp_path, capsys, bench_module):
+    """One file may hold a shape with and without a window (runs appended to it); the key
+    had only the shape's fields, so one cell's time overwrote the other's."""
+    compare = bench_module("compare")
+    for label, windowed_ms in (("base", 1.0), ("new", 0.5)):
+        for rep in (1, 2):
+            cells = [{"mode": "fwd", "d": 128, "causal": True, "s": 8192, "b": 2, "h": 16,
+                      "dtype": "bfloat16", "ms": 2.0},
+                     {"mode": "fwd", "d": 128, "causal": True, "s": 8192, "b": 2, "h": 16,
+                      "dtype": "bfloat16", "window": 1024, "ms": windowed_ms}]
+            (tmp_path / f"{label}-{rep}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in cells))
+    compare.main([str(tmp_path), "base", "new"])
+    out = capsys.readouterr().out
+    assert "fwd d128 causal: 1.000 - 1.000" in out
+    assert "fwd d128 causal window=1024: 2.000 - 2.000" in out
