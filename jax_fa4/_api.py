@@ -8,8 +8,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_fa4 import (_fallback, _float8, _kernel_select, _kv_float8, _masks, _path,
-                     _registry, _segment_plan, _sharding, _vjp)
+from jax_fa4 import (_fallback, _float8, _forward_only, _kernel_select, _kv_float8, _masks,
+                     _path, _registry, _segment_plan, _sharding, _vjp)
 from jax_fa4._reference import reference_attention, reference_attention_varlen
 from jax_fa4._spec import AttentionSpec
 
@@ -153,7 +153,7 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
     arrays.update(q_lengths=_masks.clip_lengths(arrays["q_lengths"], q.shape[1]),
                   kv_lengths=_masks.clip_lengths(arrays["kv_lengths"], k.shape[1]))
     table = _kv_float8.table(descales, k.shape[-2])
-    q, k, v = _float8.forward_only((q, k, v), _kv_float8.FORWARD_ONLY)
+    q, k, v = _forward_only.values((q, k, v), _kv_float8.FORWARD_ONLY)
     if kernel_spec is not None:
         out, lse = _run(kernel_spec, q, k, v, **arrays, descales=table)
     else:

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import _sharding
+from jax_fa4 import _forward_only, _sharding
 from jax_fa4._reference import reference_attention
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
@@ -37,27 +37,9 @@ KEYS_ALIGN = 32  # V^T's keys are padded to whole 32-key k-steps of the PV produ
 
 
 FORWARD_ONLY = (
-    "jax_fa4.attention with float8_e4m3fn q, k, v is forward only: it has no gradient "
-    "with respect to q, k, v or their descales (train in bfloat16 or float16)")
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def forward_only(x, message: str = FORWARD_ONLY):
-    """x (an array or a tuple of them), whose gradient raises NotImplementedError(message).
-    Operands wrapped together raise together: a gradient of lse with respect to v, which
-    lse does not depend on, raises with q's and k's instead of being zero."""
-    return x
-
-
-def _forward_only_fwd(x, message):
-    return x, None
-
-
-def _forward_only_bwd(message, residuals, cotangent):
-    raise NotImplementedError(message)
-
-
-forward_only.defvjp(_forward_only_fwd, _forward_only_bwd)
+    "jax_fa4.attention with float8_e4m3fn q, k, v is forward only: it has no gradient or "
+    "other derivative with respect to q, k, v or their descales (train in bfloat16 or "
+    "float16)")
 
 
 def descale_table(descales: dict, heads_kv: int, message: str = FORWARD_ONLY):
@@ -67,7 +49,7 @@ def descale_table(descales: dict, heads_kv: int, message: str = FORWARD_ONLY):
     for name in DESCALES:
         x = descales.get(name)
         x = (jnp.ones((), jnp.float32) if x is None
-             else forward_only(x, message).astype(jnp.float32))
+             else _forward_only.values(x, message).astype(jnp.float32))
         rows.append(jnp.broadcast_to(x, (heads_kv,)))
     return jnp.stack(rows)
 
@@ -76,7 +58,7 @@ def dequantize(q, k, v, table):
     """float32 q * q_descale, k * k_descale, v * v_descale from descale_table's."""
     group = q.shape[-2] // max(k.shape[-2], 1)
 
-    q, k, v = forward_only((q, k, v))
+    q, k, v = _forward_only.values((q, k, v), FORWARD_ONLY)
 
     def scaled(x, descale):
         return x.astype(jnp.float32) * descale[:, None]
@@ -104,25 +86,13 @@ def transposed_v(v):
     return v.reshape(batch, heads_kv, dv, padded)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def forward(spec: AttentionSpec, q, k, v, table):
     """(out bf16 (B, Sq, H, Dv), lse (B, H, Sq)) of the float8 call on the kernel paths
     ("platform": the kernel where lowered for CUDA, the reference elsewhere), partitioned
     over batch and heads under a sharded jit (_sharding.FLOAT8); `table` from
     descale_table. Forward only as a whole: autodiff must not reach the partitioned and
     batched call inside, which has no derivative rules of its own."""
-    return _sharded(spec)(q, k, v, table)
-
-
-def _forward_fwd(spec, q, k, v, table):
-    return forward(spec, q, k, v, table), None
-
-
-def _forward_bwd(spec, residuals, cotangents):
-    raise NotImplementedError(FORWARD_ONLY)
-
-
-forward.defvjp(_forward_fwd, _forward_bwd)
+    return _forward_only.call(FORWARD_ONLY, _sharded(spec), q, k, v, table)
 
 
 def _on_shard(spec: AttentionSpec, q, k, v, table):

@@ -30,15 +30,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import (_fallback, _ffi_calls, _kernel_select, _pack_gqa, _path, _sharding,
-                     _split_kv, _validate, _vjp)
+from jax_fa4 import (_fallback, _ffi_calls, _forward_only, _kernel_select, _pack_gqa, _path,
+                     _sharding, _split_kv, _validate, _vjp)
 from jax_fa4._float8 import descale_table
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
 
 DESCALES = ("k_descale", "v_descale")
 FORWARD_ONLY = ("jax_fa4 attention over float8_e4m3fn k and v is forward only: it has no "
-                "gradient with respect to q, k, v or their descales")
+                "gradient or other derivative with respect to q, k, v or their descales")
 DEQUANTIZE_WARNING = (
     "jax_fa4: float8 K/V dequantized into bfloat16 by XLA before attention (the float8-KV "
     "kernels take head dims up to 256 without softcap on Hopper): {}")
@@ -118,27 +118,14 @@ def warn_dequantized(reason: str) -> None:
         _fallback.warn_message_once(DEQUANTIZE_WARNING.format(reason))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def forward(spec: AttentionSpec, q, k, v, descales, segments=()):
     """(out bf16 (B, Sq, H, Dv), lse (B, H, Sq)) of the float8-KV kernel (spec from
     kernel_spec; "platform": the kernel where lowered for CUDA, the reference on the
     dequantized inputs elsewhere), partitioned over batch and heads under a sharded jit
     and batched by vmap (_sharding.KV_FLOAT8); descales from `table`; segments: () or
     the segment kernels' (rows, keys)."""
-    if segments:
-        return _sharded_segments(spec)(q, k, v, descales, *segments)
-    return _sharded(spec)(q, k, v, descales)
-
-
-def _forward_fwd(spec, q, k, v, descales, segments):
-    return forward(spec, q, k, v, descales, segments), None
-
-
-def _forward_bwd(spec, residuals, cotangents):
-    raise NotImplementedError(FORWARD_ONLY)
-
-
-forward.defvjp(_forward_fwd, _forward_bwd)
+    run = _sharded_segments(spec) if segments else _sharded(spec)
+    return _forward_only.call(FORWARD_ONLY, run, q, k, v, descales, *segments)
 
 
 def _kernel(q, k, v, descales, *segments, spec: AttentionSpec):

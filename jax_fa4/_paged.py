@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_fa4 import (_api, _fallback, _ffi_calls, _float8, _kernel_select, _kv_float8,
-                     _pack_gqa, _path, _segment_plan, _validate)
+from jax_fa4 import (_api, _fallback, _ffi_calls, _float8, _forward_only, _kernel_select,
+                     _kv_float8, _pack_gqa, _path, _segment_plan, _validate)
 
 # Keys per TMA copy of the paged kernels (kernels/sm90/paged.py PAGE_ROWS, ffi kPageRows):
 # the page sizes they take are multiples of it.
@@ -73,7 +73,7 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     descale that is not finite gives NaN out and lse.
 
     implementation: as in `attention` (None: the kernels where they run). Inference only:
-    jax.grad through it raises NotImplementedError.
+    jax.grad or jax.jvp through it raises NotImplementedError.
     """
     _check(q, k_cache, v_cache, page_table, kv_lengths)
     _check_new(q, k_cache, v_cache, k_new, v_new)
@@ -92,7 +92,7 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
 
     def gathered(implementation):
         # The descales reach it as `table`, an argument: closed over, they would leak
-        # out of _inference_only's custom_vjp as tracers under jax.grad. lse only where
+        # out of _forward_only.call as tracers under jax.grad. lse only where
         # it is used: asked for, cuDNN (on a GPU the kernels do not run on) refuses.
         attention = functools.partial(_api.attention, **options,
                                       implementation=implementation)
@@ -108,8 +108,8 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
                 *args, cuda=functools.partial(_in_place, spec), default=gathered("reference"))
     else:
         run = functools.partial(_in_place, spec)
-    out, lse, *caches = _inference_only(run, q, k_cache, v_cache, page_table, kv_lengths,
-                                        sinks, k_new, v_new, table)
+    out, lse, *caches = _forward_only.call(INFERENCE_ONLY, run, q, k_cache, v_cache,
+                                           page_table, kv_lengths, sinks, k_new, v_new, table)
     if table is not None:
         out, lse = _float8.undefined_heads(out, lse, table)
     if caches:
@@ -211,22 +211,9 @@ def gather(cache, page_table):
     return dense.reshape(batch, max_pages * cache.shape[1], *cache.shape[2:])
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _inference_only(run, *args):
-    return run(*args)
-
-
-def _forward(run, *args):
-    return _inference_only(run, *args), None
-
-
-def _backward(run, residuals, cotangents):
-    raise NotImplementedError(
-        "jax_fa4.paged_attention has no gradient (it serves inference); differentiate "
-        "jax_fa4.attention on the dense keys and values instead")
-
-
-_inference_only.defvjp(_forward, _backward)
+INFERENCE_ONLY = (
+    "jax_fa4.paged_attention has no gradient or other derivative (it serves inference); "
+    "differentiate jax_fa4.attention on the dense keys and values instead")
 
 
 def _check(q, k_cache, v_cache, page_table, kv_lengths) -> None:

@@ -79,6 +79,8 @@ def test_float8_is_forward_only():
         with pytest.raises(NotImplementedError, match="forward only"):
             jax.grad(lambda q, k, v, d: jnp.sum(jax_fa4.attention(q, k, v, q_descale=d)),
                      argnums=argnums)(q, k, k, descale)
+    with pytest.raises(NotImplementedError, match="forward only"):  # forward mode too
+        jax.jacfwd(lambda d: jnp.sum(jax_fa4.attention(q, k, k, q_descale=d)))(descale)
     # lse does not depend on v, and still raises (its gradient had been zeros on the
     # reference path, raising only on the kernel path).
     with pytest.raises(NotImplementedError, match="forward only"):

@@ -2,6 +2,8 @@
 dequantized problem's attention, forward only, the refusals, and the float8-KV kernel
 calls lowered for CUDA. tests/gpu/test_gpu_kv_float8.py runs the kernels."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -48,10 +50,13 @@ def test_kv_float8_is_attention_on_the_dequantized_kv(causal):
 
 def test_kv_float8_is_forward_only():
     q, k, v = inputs()
+    loss = lambda q, k, v, kd: jax_fa4.attention(q, k, v, k_descale=kd).astype(
+        jnp.float32).sum()
     for argnum in (0, 3):
         with pytest.raises(NotImplementedError, match="forward only"):
-            jax.grad(lambda q, k, v, kd: jax_fa4.attention(q, k, v, k_descale=kd).astype(
-                jnp.float32).sum(), argnums=argnum)(q, k, v, KD)
+            jax.grad(loss, argnums=argnum)(q, k, v, KD)
+    with pytest.raises(NotImplementedError, match="forward only"):
+        jax.jvp(lambda q: loss(q, k, v, KD), (q,), (q,))
 
 
 def test_kv_float8_paged_gradients_raise_eagerly():
@@ -68,6 +73,9 @@ def test_kv_float8_paged_gradients_raise_eagerly():
     for argnum in (0, 1, 2):
         with pytest.raises(NotImplementedError, match="no gradient"):
             jax.grad(loss, argnums=argnum)(KD, VD, q)
+    # Forward mode too (a custom_vjp had refused it with JAX's generic TypeError).
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        jax.jvp(functools.partial(loss, KD, VD), (q,), (q,))
     with pytest.raises(NotImplementedError, match="forward only"):
         jax.grad(lambda v: jax_fa4.attention(q, k, v, return_lse=True)[1].sum())(v)
 

@@ -147,6 +147,9 @@ def test_gradients_are_refused():
     loss = lambda q: jnp.sum(jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths))
     with pytest.raises(NotImplementedError, match="no gradient"):
         jax.grad(loss)(q)
+    # Forward mode too (a custom_vjp had refused it with JAX's generic TypeError).
+    with pytest.raises(NotImplementedError, match="no gradient"):
+        jax.jvp(loss, (q,), (q,))
 
 
 @pytest.mark.parametrize("change,message", [
