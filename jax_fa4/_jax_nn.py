@@ -9,7 +9,8 @@ log-sum-exp in jax.nn's layout (B, T, N) and dtype, without a gradient.
 
 What jax_fa4 does not compute goes to jax.nn itself, with a warning (its XLA path
 materializes the scores): an additive bias, a mask that is not all-visible or causal
-(or that is traced, so unreadable), a traced scale. `implementation="xla"` or `"cudnn"`
+(or that is traced, so unreadable), a traced scale, a window side below 0 (keys on one
+side of the query only). `implementation="xla"` or `"cudnn"`
 goes to jax.nn as asked.
 """
 
@@ -61,17 +62,21 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     rank3 = len(query.shape) == 3
     q, k, v = (x[None] if rank3 else x for x in (query, key, value))
     mask_kind = _adapters.read_mask(mask, q.shape[1], k.shape[1])
+    if isinstance(local_window_size, int):
+        local_window_size = (local_window_size, local_window_size)
+    # A negative side keeps a query's keys off its own index (jax.nn's XLA mask takes it);
+    # jax_fa4's windows contain the diagonal.
+    one_sided = local_window_size is not None and min(local_window_size) < 0
     unsupported = ("an additive bias" if bias is not None
                    else "a mask other than all-visible or causal" if mask_kind is None
-                   else "a traced scale" if isinstance(scale, jax.core.Tracer) else None)
+                   else "a traced scale" if isinstance(scale, jax.core.Tracer)
+                   else "a local_window_size with a negative side" if one_sided else None)
     if unsupported:
         _fallback.warn_message_once(
             f"jax_fa4.dot_product_attention: jax_fa4 does not take {unsupported}; running "
             "jax.nn.dot_product_attention instead (XLA: the scores are materialized)")
         return jax.nn.dot_product_attention(query, key, value, **arguments)
     causal = is_causal or mask_kind == "causal"
-    if isinstance(local_window_size, int):
-        local_window_size = (local_window_size, local_window_size)
     window = None
     if local_window_size is not None:
         left, right = local_window_size

@@ -111,6 +111,11 @@ def test_a_concrete_causal_mask_is_read():
 @pytest.mark.parametrize("what,kwargs", [
     ("an additive bias", dict(bias=jnp.full((1, 1, T, S), 0.5))),
     ("a mask other than", dict(mask=jnp.arange(S)[None, None, None, :] % 3 > 0)),
+    # Keys only after the query, or (with causal) only some way before it: the causal
+    # call's right side had been replaced by 0, a silently wider band.
+    ("a local_window_size with a negative side", dict(local_window_size=(-1, 3))),
+    ("a local_window_size with a negative side",
+     dict(is_causal=True, local_window_size=(4, -2))),
 ])
 def test_what_jax_fa4_lacks_runs_jax_nn_with_a_warning(what, kwargs):
     q, k, v, _ = _inputs(4)
