@@ -5,6 +5,7 @@ and runs it."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import jax.numpy as jnp
 
@@ -246,8 +247,14 @@ def supports(q, k, v, **kwargs) -> Support:
     import raises implementation=None's RuntimeError.
     """
     _check_implementation(kwargs.pop("implementation", None))
-    kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
     varlen = "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs
+    entry = attention_varlen if varlen else attention
+    # Named in the entry point's terms (the spec's constructor would name itself).
+    unknown = sorted(kwargs.keys() - inspect.signature(entry).parameters.keys())
+    if unknown:
+        raise TypeError(f"supports() got unexpected keyword arguments {unknown}: it takes "
+                        f"those of jax_fa4.{entry.__name__}")
+    kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
     if varlen:
         spec = AttentionSpec.from_varlen_inputs(q, k, v, **kwargs)
     else:

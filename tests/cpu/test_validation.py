@@ -135,6 +135,16 @@ def test_supports_reasons(built, monkeypatch):
     assert jax_fa4.supports(Q, KV, KV, implementation="reference") == (True, "")
 
 
+def test_supports_names_an_unknown_argument_in_the_entry_points_terms():
+    # It had been the spec constructor's TypeError ("AttentionSpec.from_inputs() got ...").
+    with pytest.raises(TypeError, match=r"\['casual'\]: it takes those of jax_fa4.attention$"):
+        jax_fa4.supports(Q, KV, KV, casual=True)
+    lengths = jnp.zeros((3,), jnp.int32)
+    with pytest.raises(TypeError, match="those of jax_fa4.attention_varlen"):
+        jax_fa4.supports(Q, KV, KV, cu_seqlens_q=lengths, cu_seqlens_k=lengths,
+                         max_seqlen_q=16, max_seqlen_k=24, window_size=(1, 1))
+
+
 def test_zero_size_with_cute_still_refuses_before_anything_else(monkeypatch):
     monkeypatch.setattr(_registry, "_ffi", None)
     with pytest.raises(NotImplementedError, match="not built"):
