@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Old vs new build, alternated twice in one process-per-run GPU session (machines are
-# noisy: only ratios within one session count). Each build is a folder holding a
+# Old vs new build, alternated twice (old, new, then new, old) in one process-per-run
+# GPU session (machines are noisy: only ratios within one session count). Each build is
+# a folder holding a
 # native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of bench/variant.sh) and, where
 # its Python side differs from this checkout's, the .py files of its jax_fa4/ (as
 # variant.sh saves them), which replace the checkout's for its runs. Then
@@ -35,8 +36,13 @@ cp -r jax_fa4 "$keep/"
 # runs' files go into $out.tar on any exit too: a device call brings back only a few
 # files, and a build that hangs in rep 1 would otherwise leave the others' lines behind.
 trap 'tar -cf "$out.tar" -C "$out" .; rm -rf jax_fa4 && cp -r "$keep/jax_fa4" . && rm -rf "$keep"' EXIT
+# Rep 2 runs the builds in reverse: a drift over the call (clocks, temperature) then
+# favours neither side.
+reversed=$(printf '%s\n' $builds | tac | tr '\n' ' ')
 for rep in 1 2; do
-  for build in $builds; do
+  order=$builds
+  if [ "$rep" = 2 ]; then order=$reversed; fi
+  for build in $order; do
     label=${build%%=*}
     dir=${build#*=}
     if [ ! -f "$dir/_ffi.abi3.so" ]; then gunzip -k "$dir/_ffi.abi3.so.gz"; fi
