@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
 # Old vs new build, alternated twice (old, new, then new, old) in one process-per-run
 # GPU session (machines are noisy: only ratios within one session count). Each build is
-# a folder holding a
-# native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of bench/variant.sh) and, where
-# its Python side differs from this checkout's, the .py files of its jax_fa4/ (as
-# variant.sh saves them), which replace the checkout's for its runs. Then
-# `python -m bench.compare` prints the speedup old / new time per cell.
+# a folder holding a native module (_ffi.abi3.so, or the _ffi.abi3.so.gz of
+# bench/variant.sh) and, where its Python side differs from this checkout's, the .py
+# files of its jax_fa4/ (as variant.sh saves them), which replace the checkout's for its
+# runs. Then `python -m bench.compare` prints the speedup old / new time per cell.
 #
 #   bash bench/ab.sh "base=build/ab/base new=build/ab/new" --hdims 64 --passes fwd
 #
