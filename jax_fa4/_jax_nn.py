@@ -8,8 +8,8 @@ given; lengths mark padding, and padded query rows give 0. `return_residual` giv
 log-sum-exp in jax.nn's layout (B, T, N) and dtype, without a gradient.
 
 What jax_fa4 does not compute goes to jax.nn itself, with a warning (its XLA path
-materializes the scores): an additive bias, a mask that is not all-visible or causal
-(or that is traced, so unreadable), a traced scale, a window side below 0 (keys on one
+materializes the scores): an additive bias, a mask that is not all-visible or causal,
+a traced mask (unreadable), a traced scale, a window side below 0 (keys on one
 side of the query only). `implementation="xla"` or `"cudnn"`
 goes to jax.nn as asked.
 """
@@ -61,13 +61,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         is_causal = bool(is_causal)  # np.bool_ / a concrete jax bool
     rank3 = len(query.shape) == 3
     q, k, v = (x[None] if rank3 else x for x in (query, key, value))
-    mask_kind = _adapters.read_mask(mask, q.shape[1], k.shape[1])
+    mask_kind = _adapters.read_mask(mask, _scores(q, k))
     if isinstance(local_window_size, int):
         local_window_size = (local_window_size, local_window_size)
     # A negative side keeps a query's keys off its own index (jax.nn's XLA mask takes it);
     # jax_fa4's windows contain the diagonal.
     one_sided = local_window_size is not None and min(local_window_size) < 0
     unsupported = ("an additive bias" if bias is not None
+                   else "a traced mask (unreadable under jit)"
+                   if isinstance(mask, jax.core.Tracer)
                    else "a mask other than all-visible or causal" if mask_kind is None
                    else "a traced scale" if isinstance(scale, jax.core.Tracer)
                    else "a local_window_size with a negative side" if one_sided else None)
@@ -119,18 +121,11 @@ def _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask) ->
                                     or np.dtype(lengths.dtype) != np.int32):
             raise ValueError(f"{name} shape should be {[b]} (int32): but got "
                              f"{tuple(lengths.shape)} ({lengths.dtype})")
-    if mask is not None:
-        if np.dtype(mask.dtype) != np.bool_:
-            raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
-        # (B, N, T, S), or (N, T, S) for rank-3 inputs
-        scores = (*query.shape[:-3], query.shape[-2], query.shape[-3], key.shape[-3])
-        if not _broadcasts_to(tuple(mask.shape), scores):
-            raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to the "
-                             f"scores' shape {scores}")
+    if mask is not None and np.dtype(mask.dtype) != np.bool_:
+        raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
 
 
-def _broadcasts_to(shape, target) -> bool:
-    """Whether `shape` broadcasts to `target` without changing it; symbolic dims
-    (jax.export) compare equal only to themselves."""
-    return len(shape) <= len(target) and all(
-        d == 1 or d == t for d, t in zip(reversed(shape), reversed(target)))
+def _scores(q, k) -> tuple:
+    """The scores' shape (B, N, T, S) of rank-4 q and k (rank-3 inputs with B = 1, as
+    jax.nn pads them, so that a rank-4 mask applies to them too)."""
+    return (q.shape[0], q.shape[2], q.shape[1], k.shape[1])

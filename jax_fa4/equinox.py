@@ -51,10 +51,16 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
                           "of MultiheadAttention()(inference=...)")
         # Equinox's rule: the call's inference, when given, overrides the dropout's own.
         dropout_active = not (self.dropout.inference if inference is None else inference)
-        if self.dropout.p > 0.0 and dropout_active:
+        # Inference first: p may be an array, traced under filter_jit (its value unknown).
+        p = self.dropout.p
+        if dropout_active and (isinstance(p, jax.core.Tracer) or p > 0.0):
             _adapters.refuse("attention dropout",
                              "construct with dropout_p=0.0, or call with inference=True")
-        causal = self.causal or _adapters.mask_kind(mask, query.shape[0], key_.shape[0]) == "causal"
+        if key_.shape[0] != value.shape[0]:
+            raise ValueError("key and value must both be sequences of equal length; got "
+                             f"{key_.shape[0]} and {value.shape[0]}")
+        scores = (query.shape[0], key_.shape[0])  # Equinox's mask: (q_len, kv_len)
+        causal = self.causal or _adapters.mask_kind(mask, scores) == "causal"
 
         q = self._project(self.query_proj, query)
         k = self._project(self.key_proj, key_)

@@ -161,3 +161,61 @@ def test_equinox_refuses_active_dropout_and_other_masks():
     with pytest.raises(NotImplementedError, match="causal"):
         ours(x, x, x, mask=jnp.ones((S, S), bool).at[0, 1:].set(False).at[:, -1].set(False),
              inference=True)
+
+
+def test_flax_promotes_mixed_dtypes_and_checks_batch_dims():
+    # Flax's promote_dtype: float32 q with bfloat16 k, v runs in float32 (it had been
+    # refused as "q, k, v must have the same dtype").
+    q = jax.random.normal(jax.random.key(5), (B, S, HEADS, 16))
+    k = jax.random.normal(jax.random.key(6), (B, S, HEADS, 16)).astype(jnp.bfloat16)
+    out = fa4_flax.attention(q, k, k)
+    assert out.dtype == jnp.float32
+    close(out, nn.dot_product_attention(q, k, k), tol=1e-6)
+    # Batch dims of key and value had been taken from query's: (2, 3) queries against
+    # (3, 2) keys ran, pairing the examples wrongly.
+    q = jnp.ones((2, 3, S, HEADS, 16))
+    k = jnp.ones((3, 2, S, HEADS, 16))
+    with pytest.raises(ValueError, match="same batch dims"):
+        fa4_flax.attention(q, k, k)
+
+
+def test_adapters_check_the_mask_shape_before_reading_it():
+    # An all-visible mask was accepted whatever its shape (jax.nn: a broadcasting error).
+    q = jnp.ones((B, S, HEADS, 16))
+    with pytest.raises(ValueError, match=r"mask shape \(3, 9\) does not broadcast"):
+        fa4_flax.attention(q, q, q, mask=jnp.ones((3, 9), bool))
+    mha, ours = eqx_default_and_ours(False)
+    x = x_input()[0]
+    with pytest.raises(ValueError, match=r"mask shape \(1, 1, 17, 17\) does not broadcast"):
+        ours(x, x, x, mask=jnp.ones((1, 1, S, S), bool))
+
+
+def test_equinox_checks_key_and_value_lengths_and_reads_p_only_when_active():
+    mha, ours = eqx_default_and_ours(False)
+    x = x_input()[0]
+    with pytest.raises(ValueError, match="equal length; got 17 and 16"):
+        ours(x, x, x[:-1])
+    # An array p, traced under filter_jit, with inference=True: no dropout runs, so p is
+    # not read (comparing it had raised TracerBoolConversionError).
+    traced_p = eqx.tree_at(lambda m: m.dropout.p, ours, jnp.float32(0.1))
+    out = eqx.filter_jit(lambda m, x: m(x, x, x, inference=True))(traced_p, x)
+    close(out, mha(x, x, x))
+    with pytest.raises(NotImplementedError, match="dropout"):
+        eqx.filter_jit(lambda m, x: m(x, x, x, key=jax.random.key(0)))(traced_p, x)
+
+
+def test_linen_custom_einsums_are_refused_not_dropped():
+    # linen passes an attention_fn only the arguments its signature names: custom einsums
+    # had been filtered out before the call, and attention ran without them.
+    class Einsum(nn.Module):
+        @nn.compact
+        def __call__(self, spec, *operands, precision=None):
+            return 2 * jnp.einsum(spec, *operands, precision=precision)
+
+    mha = nn.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=64,
+                                          attention_fn=fa4_flax.attention,
+                                          qk_attn_weights_einsum_cls=Einsum,
+                                          attn_weights_value_einsum_cls=Einsum)
+    x = x_input()
+    with pytest.raises(NotImplementedError, match="custom einsums"):
+        mha.init(jax.random.key(0), x)

@@ -127,7 +127,7 @@ def test_what_jax_fa4_lacks_runs_jax_nn_with_a_warning(what, kwargs):
 def test_a_traced_mask_runs_jax_nn():
     q, k, v, _ = _inputs(4)
     mask = jnp.arange(S)[None, None, None, :] % 3 > 0
-    with pytest.warns(RuntimeWarning, match="a mask other than"):
+    with pytest.warns(RuntimeWarning, match="a traced mask"):
         got = jax.jit(lambda m: jax_fa4.dot_product_attention(q, k, v, mask=m))(mask)
     np.testing.assert_allclose(got, jax.nn.dot_product_attention(q, k, v, mask=mask),
                                atol=1e-6)
@@ -159,11 +159,23 @@ def test_jax_nn_implementations_pass_through(monkeypatch, implementation):
     ((jnp.zeros((B, T, N, H)),) * 3, dict(mask=jnp.ones((T, T), jnp.float32)),
      "mask dtype should be bool, but got float32"),
     ((jnp.zeros((B, T, N, H)),) * 3, dict(mask=jnp.ones((T - 1, T), bool)),
-     rf"mask shape \({T - 1}, {T}\) does not broadcast to the scores' shape"),
+     rf"mask shape \({T - 1}, {T}\) does not broadcast to the attention scores' shape"),
 ])
 def test_malformed_input_is_refused_like_jax_nn(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
         jax_fa4.dot_product_attention(*args, **kwargs)
+
+
+def test_rank3_inputs_take_a_rank4_mask_like_jax_nn():
+    # jax.nn pads rank-3 inputs and their mask to rank 4: a (1, 1, T, S) mask applies (it
+    # had been checked against the rank-3 scores' shape and refused).
+    q, k, v, _ = _inputs(3)
+    mask = jnp.tril(jnp.ones((T, S), bool))[None, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = jax_fa4.dot_product_attention(q, k, v, mask=mask)
+    np.testing.assert_allclose(got, jax.nn.dot_product_attention(q, k, v, mask=mask),
+                               atol=1e-5)
 
 
 def test_a_concrete_jax_scalar_scale_is_taken_like_jax_nn():
