@@ -186,9 +186,10 @@ def attention_varlen(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
         total_k), then raised to the largest offset before it (a running maximum), so
         an offset past the packed length ends its sequence at the end and a decreasing
         one makes an empty sequence.
-    max_seqlen_q, max_seqlen_k: static ints, at least every sequence's length (FlashAttention's
-        signature; the kernels size their grid from total_q and total_k and skip the
-        blocks no sequence joins, and the reference needs no bound).
+    max_seqlen_q, max_seqlen_k: static ints, taken for FlashAttention's signature and
+        not read: the kernels size their grid from total_q and total_k and skip the
+        blocks no sequence joins, and the reference needs no bound; any value gives the
+        same result.
     Every sequence is an independent `attention` call: positions, alignment (bottom-right
     meets the sequence's last query and key) and window are per sequence. The kernels run
     the packed axis as one row with segment ids, so a query tile visits only its
@@ -249,11 +250,13 @@ def supports(q, k, v, **kwargs) -> Support:
     _check_implementation(kwargs.pop("implementation", None))
     varlen = "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs
     entry = attention_varlen if varlen else attention
-    # Named in the entry point's terms (the spec's constructor would name itself).
-    unknown = sorted(kwargs.keys() - inspect.signature(entry).parameters.keys())
-    if unknown:
-        raise TypeError(f"supports() got unexpected keyword arguments {unknown}: it takes "
-                        f"those of jax_fa4.{entry.__name__}")
+    # Unknown or missing arguments named in the entry point's terms (the spec's
+    # constructor would name itself).
+    try:
+        inspect.signature(entry).bind(q, k, v, **kwargs)
+    except TypeError as e:
+        raise TypeError(f"supports(): {e}; it takes the arguments of "
+                        f"jax_fa4.{entry.__name__}") from None
     kwargs = {"causal": False, "softmax_scale": None, "return_lse": False, **kwargs}
     if varlen:
         spec = AttentionSpec.from_varlen_inputs(q, k, v, **kwargs)

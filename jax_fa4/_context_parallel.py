@@ -21,6 +21,7 @@ from jax import lax
 from jax_fa4._api import attention
 from jax_fa4._ring import (CAUSAL, Cut, causal_zigzag_pairs, chunk_pair, hop, merge,
                             merge_picked, pick, unseen)
+from jax_fa4._spec import AttentionSpec
 from jax_fa4._validate import band
 from jax_fa4._varying import vary_like
 
@@ -34,7 +35,7 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
 
     q (B, Sq_local, H, D), k/v (B, Sk_local, Hkv, D): this device's chunks, as laid out by
     `layout` ("contiguous": device r holds the r-th chunk; "zigzag": chunks r and
-    2n-1-r, see `zigzag`). Returns this device's out (B, Sq_local, H, D), plus lse
+    2n-1-r, see `zigzag`). Returns this device's out (B, Sq_local, H, Dv), plus lse
     (B, H, Sq_local) fp32 when `return_lse`.
 
     causal and window=(left, right) act on global positions (self-attention: query and
@@ -43,13 +44,19 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     skipped; a pair the band cuts runs only its visible rows and keys.
     q_segment_ids (B, Sq_local) / kv_segment_ids (B, Sk_local) int32: this device's
     chunks of the ids (laid out like q and k); the key ids travel with their chunk.
-    Other arguments are those of `jax_fa4.attention`, which runs every chunk pair (the
-    kernel where it takes the pair's mask, else the reference); with `deterministic`
+    softmax_scale, return_lse, implementation and deterministic are those of
+    `jax_fa4.attention`, which runs every chunk pair (the kernel where it takes the
+    pair's mask, else the reference); with `deterministic`
     each pair's backward adds dq in a fixed order, and the ring sums the pairs in one,
     so the gradients are bitwise reproducible.
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
+    # The local chunks checked as the caller passed them: each pair's own call sees them
+    # cut by the band, and would name shapes the caller never made.
+    AttentionSpec.from_inputs(q, k, v, causal=False, softmax_scale=softmax_scale,
+                              return_lse=return_lse, q_segment_ids=q_segment_ids,
+                              kv_segment_ids=kv_segment_ids, deterministic=deterministic)
     left, right = _global_band(causal, window)
     # A window unbounded on both sides (as validated) is no band: any chunk lengths.
     if (left, right) != (None, None) and q.shape[1] != k.shape[1]:
@@ -119,14 +126,14 @@ def _global_band(causal, window):
 def zigzag(x, n: int, axis: int = 1):
     """Reorder a global sequence axis so that n contiguous shards are the zigzag layout:
     shard r holds chunks r and 2n-1-r of the original 2n chunks."""
-    chunks = jnp.split(x, 2 * n, axis=axis)
+    chunks = _chunks(x, n, axis)
     return jnp.concatenate([c for r in range(n) for c in (chunks[r], chunks[2 * n - 1 - r])],
                            axis=axis)
 
 
 def unzigzag(x, n: int, axis: int = 1):
     """Inverse of `zigzag`."""
-    chunks = jnp.split(x, 2 * n, axis=axis)
+    chunks = _chunks(x, n, axis)
     order = [None] * (2 * n)
     for r in range(n):
         order[r], order[2 * n - 1 - r] = chunks[2 * r], chunks[2 * r + 1]
@@ -136,3 +143,11 @@ def unzigzag(x, n: int, axis: int = 1):
 def _chunk_ids(device, n, layout):
     return (device,) if layout == "contiguous" else (device, 2 * n - 1 - device)
 
+
+def _chunks(x, n: int, axis: int) -> list:
+    """The 2n equal chunks of x along `axis`."""
+    if x.shape[axis] % (2 * n):
+        raise ValueError(f"the zigzag layout cuts axis {axis} into 2n = {2 * n} equal "
+                         f"chunks (n = {n} devices); its length {x.shape[axis]} is not a "
+                         f"multiple of {2 * n}")
+    return jnp.split(x, 2 * n, axis=axis)

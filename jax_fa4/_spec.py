@@ -60,8 +60,6 @@ class AttentionSpec:
     has_q_lengths: bool = False
     has_kv_lengths: bool = False
     varlen: bool = False  # attention_varlen: sequences packed along one axis (cu_seqlens)
-    max_seqlen_q: int | None = None  # varlen only: bound on every sequence's length
-    max_seqlen_k: int | None = None
     # The kernels run each group's query heads as rows of one problem (`_pack_gqa`):
     # chosen by `_path` for grouped calls with few query rows.
     pack_gqa: bool = False
@@ -140,11 +138,13 @@ class AttentionSpec:
         cu_seqlens_q / cu_seqlens_k (num_seqs + 1,) int32 and the static arguments."""
         dims = _validate.check_operands(q, k, v, varlen=True)
         _validate.check_cu_seqlens(cu_seqlens_q, cu_seqlens_k)
+        # FlashAttention's bounds: checked as its static ints, and not kept (nothing reads
+        # them), so that calls differing only in them share one spec.
+        _validate.static_int("max_seqlen_q", max_seqlen_q)
+        _validate.static_int("max_seqlen_k", max_seqlen_k)
         return cls._build(
             dims, causal=causal, softmax_scale=softmax_scale, return_lse=return_lse,
             alignment=alignment, window=window, softcap=softcap, sinks=sinks, varlen=True,
-            max_seqlen_q=_validate.static_int("max_seqlen_q", max_seqlen_q),
-            max_seqlen_k=_validate.static_int("max_seqlen_k", max_seqlen_k),
             deterministic=_validate.static_bool("deterministic", deterministic))
 
     @classmethod

@@ -230,3 +230,13 @@ def test_zigzag_round_trip_and_validation(mesh):
     with pytest.raises(ValueError, match="layout"):
         jax.shard_map(functools.partial(ring_attention, axis_name="seq", layout="spiral"),
                       mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q, k, v)
+    # The zigzag cut names n and the length (it had been jnp.split's "array split does
+    # not result in an equal division").
+    with pytest.raises(ValueError, match=r"2n = 8 equal chunks \(n = 4 devices\); its "
+                                         "length 6 is not a multiple of 8"):
+        zigzag(x[:, :6], N)
+    # The local chunks are checked as passed: a pair's own call had named them cut by
+    # the window (k (2, 1, 4, 16) for a k of (2, 12, 4, 16)).
+    with pytest.raises(ValueError, match=r"got q \(1, 12, 4, 16\), k \(2, 12, 4, 16\)"):
+        jax.shard_map(functools.partial(ring_attention, axis_name="seq", window=(1, 0)),
+                      mesh=mesh, in_specs=(SEQ,) * 3, out_specs=SEQ)(q[:1], k, v)

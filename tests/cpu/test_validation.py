@@ -135,14 +135,18 @@ def test_supports_reasons(built, monkeypatch):
     assert jax_fa4.supports(Q, KV, KV, implementation="reference") == (True, "")
 
 
-def test_supports_names_an_unknown_argument_in_the_entry_points_terms():
+def test_supports_names_unknown_and_missing_arguments_in_the_entry_points_terms():
     # It had been the spec constructor's TypeError ("AttentionSpec.from_inputs() got ...").
-    with pytest.raises(TypeError, match=r"\['casual'\]: it takes those of jax_fa4.attention$"):
+    with pytest.raises(TypeError, match="'casual'; it takes the arguments of "
+                                        "jax_fa4.attention$"):
         jax_fa4.supports(Q, KV, KV, casual=True)
     lengths = jnp.zeros((3,), jnp.int32)
-    with pytest.raises(TypeError, match="those of jax_fa4.attention_varlen"):
+    with pytest.raises(TypeError, match="'window_size'; .* of jax_fa4.attention_varlen$"):
         jax_fa4.supports(Q, KV, KV, cu_seqlens_q=lengths, cu_seqlens_k=lengths,
                          max_seqlen_q=16, max_seqlen_k=24, window_size=(1, 1))
+    # A missing one too ("AttentionSpec.from_varlen_inputs() missing 2 required ...").
+    with pytest.raises(TypeError, match="'max_seqlen_q'; .* of jax_fa4.attention_varlen$"):
+        jax_fa4.supports(Q, KV, KV, cu_seqlens_q=lengths, cu_seqlens_k=lengths)
 
 
 def test_zero_size_with_cute_still_refuses_before_anything_else(monkeypatch):
