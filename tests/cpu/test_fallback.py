@@ -208,6 +208,16 @@ def test_missing_native_module_on_a_gpu_machine(monkeypatch, failure, allowed):
         plan(Q, KV, KV, implementation="cute")
 
 
+def test_missing_native_module_beside_other_gpus_only_takes_their_path(monkeypatch):
+    # Its kernels could not run on an A100: not built, calls there take cuDNN (it had
+    # raised, asking for a build).
+    monkeypatch.setattr(_registry, "_ffi", None)
+    monkeypatch.setattr(_registry, "_IMPORT_ERROR", None)
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (A100,))
+    with pytest.warns(RuntimeWarning, match="is not built"):
+        assert plan(Q, KV, KV).path == "cudnn"
+
+
 def test_missing_native_module_without_a_gpu_is_quiet(monkeypatch):
     monkeypatch.setattr(_registry, "_ffi", None)
     monkeypatch.setattr(_registry, "_IMPORT_ERROR", ImportError("undefined symbol: x"))
@@ -255,3 +265,28 @@ def test_the_jax_nn_mapping_equals_the_reference(sq, sk, kwargs):
                                    kv_lengths=lengths.get("kv_lengths"))
     expected, _ = reference_attention(q, k, v, **spec.reference_options(), **lengths)
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_driver_without_a_jax_gpu_backend_warns(tmp_path, monkeypatch):
+    """A jax without its CUDA plugin on a GPU machine had run every call on the CPU's
+    reference without a word (only supports() said why)."""
+    driver = tmp_path / "version"
+    driver.write_text("NVRM version: 580")
+    monkeypatch.setattr(_path, "NVIDIA_DRIVER", str(driver))
+    monkeypatch.setattr(_path, "gpu_devices", lambda: ())
+    monkeypatch.setattr(_path, "gpu_unseen", functools.cache(_path.gpu_unseen.__wrapped__))
+    q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+    with pytest.warns(RuntimeWarning, match=r"JAX sees no GPU .*jax\[cuda13\]"):
+        jax_fa4.attention(q, q, q)
+    assert "an NVIDIA driver is installed" in jax_fa4.supports(q, q, q)[1]
+    # Chosen on purpose: no warning.
+    monkeypatch.setattr(_path, "gpu_unseen", functools.cache(_path.gpu_unseen.__wrapped__))
+    monkeypatch.setattr(_fallback, "_warned", set())
+    platforms = jax.config.jax_platforms
+    jax.config.update("jax_platforms", "cpu")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            jax_fa4.attention(q, q, q)
+    finally:
+        jax.config.update("jax_platforms", platforms)
