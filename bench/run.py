@@ -1,4 +1,4 @@
-"""Attention throughput of jax_fa4 next to the other JAX backends, on one GPU.
+r"""Attention throughput of jax_fa4 next to the other JAX backends, on one GPU.
 
     python -m bench.run                                   # the standard table
     python -m bench.run --hdims 128 --seqlens 8192 --backends jax_fa4,jax_cudnn
@@ -198,6 +198,8 @@ def main():
     if args.seqlen_q is not None and (masks != ["false"] or args.seqlen_q < 1
                                       or args.documents):
         ap.error("--seqlen-q takes a length >= 1, with --causal false and no --documents")
+    if jax.default_backend() != "gpu":  # every cell would fail, or time the CPU reference
+        ap.error(f"bench.run times GPU kernels; JAX sees no GPU (devices: {jax.devices()})")
     dtype = getattr(jnp, args.dtype)
     device = jax.devices()[0].device_kind
     # The anchors are H100 bf16 runs of the standard shapes (all heads, 2048 / head_dim
@@ -272,6 +274,8 @@ def main():
                                     fwd[be] = rec["ms"]
                             except Exception as e:  # a peer that cannot run a cell is reported
                                 rec.update(mode="error", err=repr(e)[:300], failed_mode=mode)
+                                print(f"# {be} {mode} d{d} causal={causal} s{s} failed: "
+                                      f"{rec['err']}", flush=True)
                             out.write(json.dumps(rec) + "\n")
                         # The peers have one backward: bwd_det compares with it.
                         peer_row = rows.get("bwd", {}) if mode == "bwd_det" else row

@@ -32,6 +32,8 @@ def main():
     ap.add_argument("--seqlen", type=int, help="default: 8192 on a GPU, 512 on a CPU")
     ap.add_argument("--causal", action="store_true")
     args = ap.parse_args()
+    if args.seqlen is not None and args.seqlen < 1:
+        ap.error(f"--seqlen must be >= 1; got {args.seqlen}")
 
     device = jax.devices()[0]
     on_gpu = jax.default_backend() == "gpu"

@@ -245,7 +245,7 @@ def parse(argv):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", choices=PRESETS,
-                    default="gpu" if jax.default_backend() == "gpu" else "cpu")
+                    help="default: gpu on a GPU backend, else cpu")
     for name, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value),
                         help="overrides the preset")
@@ -255,11 +255,17 @@ def parse(argv):
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU kernels of one run per model instead")
     args = ap.parse_args(argv)
+    if args.preset is None:  # after parsing: --help starts no backend
+        args.preset = "gpu" if jax.default_backend() == "gpu" else "cpu"
     values = {**PRESETS[args.preset],
               **{k: v for k, v in vars(args).items() if k in PRESETS["cpu"] and v is not None}}
     cfg = Config(**values)
-    if cfg.page_size < 1 or cfg.new < 1 or cfg.prompt < 1 or cfg.heads % cfg.kv_heads:
-        ap.error("--page-size, --new and --prompt must be >= 1, and --kv-heads divide --heads")
+    small = [name for name, value in {**values, "repeats": args.repeats}.items() if value < 1]
+    if small:
+        ap.error(f"sizes and --repeats must be >= 1; not so: {', '.join(small)}")
+    if cfg.width % cfg.heads or cfg.heads % cfg.kv_heads or cfg.head_dim % 2:
+        ap.error("--heads must divide --width (into an even head_dim, for the rotary "
+                 "embedding); --kv-heads must divide --heads")
     return args, cfg
 
 

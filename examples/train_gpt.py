@@ -202,6 +202,10 @@ def parse(argv):
     overrides = {k: v for k, v in vars(args).items()
                  if k in PRESETS[args.preset] and v is not None}
     cfg = Config(**{**PRESETS[args.preset], **overrides}, seed=args.seed)
+    small = [name for name, value in {**overrides, "log_every": args.log_every}.items()
+             if value <= 0]
+    if small:
+        ap.error(f"sizes, --lr and --log-every must be > 0; not so: {', '.join(small)}")
     if cfg.steps < 2:
         ap.error("--steps must be at least 2 (the first step compiles)")
     if cfg.width % cfg.heads or cfg.heads % cfg.kv_heads or cfg.head_dim % 2:

@@ -115,3 +115,12 @@ def test_the_anchor_is_a_peer_on_an_h100_only(bench, capsys):
         run.print_row(row, row, ["jax_fa4", "jax_cudnn"], anchors, mode, 64, False, 2048,
                       is_peer)
         assert capsys.readouterr().out.split(" | ")[-2:] == [ratio, "520 |\n"]
+
+
+def test_no_gpu_is_refused_before_anything_runs(bench, monkeypatch, capsys):
+    # Without a GPU every jax_fa4 cell had failed into the JSON file only, the table
+    # showing "-", and the run had gone on through the whole matrix.
+    monkeypatch.setattr("sys.argv", ["bench.run", "--hdims", "64", "--seqlens", "128"])
+    with pytest.raises(SystemExit):
+        bench[0].main()
+    assert "JAX sees no GPU" in capsys.readouterr().err

@@ -55,3 +55,13 @@ def test_main_prints_both_rates(generate, tmp_path, capsys):
     assert record["agree"] >= 0.9
     assert "tokens/s" in capsys.readouterr().out
     assert (tmp_path / "run.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize("arguments,named", [
+    (["--kv-heads", "0"], "kv_heads"), (["--batch", "0"], "batch"),
+    (["--repeats", "0"], "repeats"), (["--width", "30"], "--heads must divide --width")])
+def test_bad_sizes_are_argument_errors(generate, capsys, arguments, named):
+    # They had been tracebacks (ZeroDivisionError, statistics' empty median, a split).
+    with pytest.raises(SystemExit):
+        generate.parse(["--preset", "cpu", *arguments])
+    assert named in capsys.readouterr().err

@@ -67,3 +67,13 @@ def test_data_parallel_training_follows_one_device(train_gpt):
     assert runs[1]["devices"] == 8
     for sharded, single in zip(runs[1]["losses"], runs[0]["losses"]):
         assert abs(sharded - single) < LOSS_TOLERANCE
+
+
+@pytest.mark.parametrize("arguments,named", [
+    (["--kv-heads", "0"], "kv_heads"), (["--log-every", "0"], "log_every"),
+    (["--batch", "0"], "batch"), (["--lr", "-1"], "lr")])
+def test_bad_sizes_are_argument_errors(train_gpt, capsys, arguments, named):
+    # ZeroDivisionError, or a nan loss at step 10 for a batch of 0.
+    with pytest.raises(SystemExit):
+        train_gpt.parse(["--preset", "cpu", *arguments])
+    assert f"not so: {named}" in capsys.readouterr().err
