@@ -81,6 +81,6 @@ case "${1:-}" in
   # Extra arguments go to pytest instead of the default "tests", e.g. tests/cpu -k paged.
   test) args=("${@:2}"); [ ${#args[@]} -gt 0 ] || args=(tests)
         setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q "${args[@]}" ;;
-  wheel) mkdir -p build && wheel ;;
+  wheel) wheel ;;
   *) echo "usage: bash run.sh train|generate|demo|test|wheel [example or pytest arguments]" >&2; exit 2 ;;
 esac

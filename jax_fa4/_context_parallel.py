@@ -52,8 +52,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     """
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}; got {layout!r}")
-    # The local chunks checked as the caller passed them: each pair's own call sees them
-    # cut by the band, and would name shapes the caller never made.
+    # The local chunks (and their segment ids, given together) checked as the caller
+    # passed them: each pair's own call sees them cut by the band, and would name shapes
+    # the caller never made.
     AttentionSpec.from_inputs(q, k, v, causal=False, softmax_scale=softmax_scale,
                               return_lse=return_lse, q_segment_ids=q_segment_ids,
                               kv_segment_ids=kv_segment_ids, deterministic=deterministic)
@@ -62,8 +63,6 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
     if (left, right) != (None, None) and q.shape[1] != k.shape[1]:
         raise ValueError("causal or windowed ring attention needs query and key chunks of "
                          f"the same length; got q {q.shape} and k {k.shape}")
-    if (q_segment_ids is None) != (kv_segment_ids is None):
-        raise ValueError("q_segment_ids and kv_segment_ids must be given together")
     halves = 2 if layout == "zigzag" else 1
     if q.shape[1] % halves or k.shape[1] % halves:
         raise ValueError(f"the zigzag layout needs even local lengths; got q {q.shape} "

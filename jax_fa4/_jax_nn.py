@@ -9,9 +9,8 @@ log-sum-exp in jax.nn's layout (B, T, N) and dtype, without a gradient.
 
 What jax_fa4 does not compute goes to jax.nn itself, with a warning (its XLA path
 materializes the scores): an additive bias, a mask that is not all-visible or causal,
-a traced mask (unreadable), a traced scale, a window side below 0 (keys on one
-side of the query only). `implementation="xla"` or `"cudnn"`
-goes to jax.nn as asked.
+a traced mask (unreadable), a traced scale, a window side below 0 (keys on one side of
+the query only). `implementation="xla"` or `"cudnn"` goes to jax.nn as asked.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def attention(query, key, value, bias=None, mask=None, broadcast_dropout=True,
         raise ValueError("query, key and value must have the same batch dims; got "
                          f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}")
     # Flax's promote_dtype: the given dtype, else the inputs' common one.
-    dtype = dtype or jnp.result_type(query, key, value)
+    if dtype is None:
+        dtype = jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     lead = query.shape[:-3]
     scores = (*lead, query.shape[-2], query.shape[-3], key.shape[-3])

@@ -34,16 +34,22 @@ def test_only_the_cells_both_builds_measured(tmp_path, capsys, bench_module):
     assert "causal" not in out
 
 
+def _write_both_builds(path, cells_of):
+    """base-{1,2}.jsonl and new-{1,2}.jsonl: the records cells_of(label) in each rep."""
+    for label in ("base", "new"):
+        for rep in (1, 2):
+            (path / f"{label}-{rep}.jsonl").write_text(
+                "".join(json.dumps(r) + "\n" for r in cells_of(label)))
+
+
 def test_backends_of_one_run_stay_apart(tmp_path, capsys, bench_module):
     # A paged run times jax_fa4_paged next to its dense baseline, jax_fa4_lengths.
     compare = bench_module("compare")
-    for label, paged_ms in (("base", 2.0), ("new", 1.0)):
-        for rep in (1, 2):
-            cells = [{"mode": "fwd", "d": 128, "causal": False, "s": 8192, "b": 1, "h": 32,
-                      "backend": backend, "ms": ms}
-                     for backend, ms in (("jax_fa4_paged", paged_ms), ("jax_fa4_lengths", 1.0))]
-            (tmp_path / f"{label}-{rep}.jsonl").write_text(
-                "".join(json.dumps(r) + "\n" for r in cells))
+    paged_ms = {"base": 2.0, "new": 1.0}
+    _write_both_builds(tmp_path, lambda label: [
+        {"mode": "fwd", "d": 128, "causal": False, "s": 8192, "b": 1, "h": 32,
+         "backend": backend, "ms": ms}
+        for backend, ms in (("jax_fa4_paged", paged_ms[label]), ("jax_fa4_lengths", 1.0))])
     compare.main([str(tmp_path), "base", "new"])
     out = capsys.readouterr().out
     assert "fwd d128 full jax_fa4_paged: 2.000 - 2.000" in out
@@ -88,14 +94,11 @@ def test_feature_fields_keep_cells_apart(tmp_path, capsys, bench_module):
     """One file may hold a shape with and without a window (runs appended to it); the key
     had only the shape's fields, so one cell's time overwrote the other's."""
     compare = bench_module("compare")
-    for label, windowed_ms in (("base", 1.0), ("new", 0.5)):
-        for rep in (1, 2):
-            cells = [{"mode": "fwd", "d": 128, "causal": True, "s": 8192, "b": 2, "h": 16,
-                      "dtype": "bfloat16", "ms": 2.0},
-                     {"mode": "fwd", "d": 128, "causal": True, "s": 8192, "b": 2, "h": 16,
-                      "dtype": "bfloat16", "window": 1024, "ms": windowed_ms}]
-            (tmp_path / f"{label}-{rep}.jsonl").write_text(
-                "".join(json.dumps(r) + "\n" for r in cells))
+    shape = {"mode": "fwd", "d": 128, "causal": True, "s": 8192, "b": 2, "h": 16,
+             "dtype": "bfloat16"}
+    windowed_ms = {"base": 1.0, "new": 0.5}
+    _write_both_builds(tmp_path, lambda label: [
+        {**shape, "ms": 2.0}, {**shape, "window": 1024, "ms": windowed_ms[label]}])
     compare.main([str(tmp_path), "base", "new"])
     out = capsys.readouterr().out
     assert "fwd d128 causal: 1.000 - 1.000" in out
