@@ -232,8 +232,8 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool, lead: int):
     descale table has, sharded as q's).
     A sequence-sharded q takes the ring (every operand's sequence on the same axes);
     refused: a sharded head_dim, a sequence sharded differently from q's, a sharded
-    sequence without a ring, a band ring over a sequence the mesh axes do not divide or,
-    causal or windowed, over query and key sequences of different lengths (the segment
+    sequence without a ring, a sequence the mesh axes do not divide, a band ring that is
+    causal or windowed over query and key sequences of different lengths (the segment
     ring takes any), and a head sharding that does not split the key/value heads (the
     second operand) into whole groups."""
     q_dims = _sharded_dims(arg_shapes[0])
@@ -274,11 +274,12 @@ def _axes(signature: Signature, spec, mesh, arg_shapes, ring: bool, lead: int):
     band_ring = seq is not None and "rows" not in signature.operands
     banded = spec.causal or spec.window != (None, None)
     uneven = [n for n in (q_shape[1], k_shape[1])
-              if band_ring and n % _axes_size(mesh, seq)]
+              if seq is not None and n % _axes_size(mesh, seq)]
     if uneven:
         # jit's inputs split evenly, but a sharding constraint inside it may not: the
-        # last device's chunk is then padded, and the band ring, which places the band
-        # by chunk, would take those rows for keys.
+        # last device's chunk is then padded with values XLA leaves unspecified. The band
+        # ring places the band by chunk and would take those rows for keys; the segment
+        # ring would read their rows and key ids, and its backward their dout.
         raise NotImplementedError(
             f"jax_fa4.attention: a sequence of {uneven[0]} is sharded over "
             f"{_axes_size(mesh, seq)} devices ({seq!r}), which do not divide it; the ring "

@@ -181,13 +181,18 @@ def test_banded_ring_needs_equal_lengths(built, mesh, options):
         fwd.lower(q, k, v).compile()
 
 
-@pytest.mark.parametrize("options", [{}, {"window": (2, 2)}, {"causal": True}],
-                         ids=["none", "window", "causal"])
-def test_band_ring_refuses_a_sequence_the_devices_do_not_divide(built, mesh, options):
+@pytest.mark.parametrize("options", [{}, {"window": (2, 2)}, {"causal": True},
+                                     {"causal": True, "lengths": True}],
+                         ids=["none", "window", "causal", "segment-ring"])
+def test_rings_refuse_a_sequence_the_devices_do_not_divide(built, mesh, options):
     """A sharding constraint inside jit may split 10 positions 4 ways (chunks of 3, the
-    last padded); the band ring would take the padding for keys (a wrong result)."""
+    last padded with values XLA leaves unspecified); the band ring would take the padding
+    for keys, the segment ring would read its rows, key ids and dout (a wrong result)."""
     q, k, v, _ = inputs(b=2, sq=10, sk=10)
     seq = NamedSharding(mesh, P(None, "model", None, None))
+    options = dict(options)
+    if options.pop("lengths", False):
+        options["kv_lengths"] = jnp.array([10, 7], jnp.int32)
 
     def f(q, k, v):
         q, k, v = (jax.lax.with_sharding_constraint(x, seq) for x in (q, k, v))
