@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jax_fa4 import _registry
+from jax_fa4 import _registry, _split_kv
 from jax_fa4._spec import AttentionSpec
 
 # Numpy dtype names of the inputs the kernels take -> the manifest's dtype names.
@@ -105,6 +105,20 @@ def grid_support(batch, heads) -> tuple[bool, str]:
             return False, (f"the kernels take {name} <= {GRID_YZ_LIMIT} (a grid "
                            f"dimension); got {size}")
     return True, ""
+
+
+def batch_limit(spec: AttentionSpec, seqlen_q, heads) -> int | None:
+    """The largest batch one kernel call of `spec` takes (None: no bound it can check,
+    symbolic sizes): the grids' batch dimension, and a split kernel's out view
+    (`_split_kv.out_view_fits`, 32-bit), which a vmapped axis folded into the batch
+    can outgrow after the per-call checks passed."""
+    limit = GRID_YZ_LIMIT
+    if spec.split_kernel:
+        if not isinstance(seqlen_q, int) or not isinstance(heads, int):
+            return None
+        row = seqlen_q * heads * spec.head_dim_v
+        limit = min(limit, (_split_kv.OUT_VIEW_ELEMENTS - 1) // max(row, 1))
+    return limit
 
 
 def _find(spec: AttentionSpec, kind: str, dims: tuple[int, int] | None = None) -> dict | None:

@@ -19,8 +19,9 @@ sharding through and refuses a sharded sequence.
 `custom_partitioning` has no batching rule, so `custom_vmap` calls it again with the
 vmapped axes in front, which the partitioning passes through as it does the batch (so a
 vmapped axis and a sharded batch behind it stay where they are), and each device folds
-them into its batch (exact, since batch elements are independent); a descale table (no
-batch axis) that varies along the vmapped axis makes it one call per element instead.
+them into its batch (exact, since batch elements are independent), in groups where
+the merged batch would pass what one kernel call takes; a descale table (no batch axis)
+that varies along the vmapped axis makes it one call per element instead.
 """
 
 from __future__ import annotations
@@ -109,14 +110,15 @@ def sharded(fn, signature: Signature, ring):
         # With one key/value head (MQA) the query heads are a factor of their own: Shardy
         # refuses a compound factor (h g) whose h has size 1.
         def run(spec, *operands):
-            return _fold_leading(functools.partial(fn, spec), signature, lead, operands)
+            return _fold_leading(spec, functools.partial(fn, spec), signature, lead, operands)
 
         def partition(spec, mesh, arg_shapes, result_shape):
             _, _, _, seq = _axes(signature, spec, mesh, arg_shapes, ring is not None, lead)
             per_device = (functools.partial(fn, spec) if seq is None
                           else functools.partial(ring, fn, spec, seq))
             return (mesh,
-                    lambda *operands: _fold_leading(per_device, signature, lead, operands),
+                    lambda *operands: _fold_leading(spec, per_device, signature, lead,
+                                                    operands),
                     shardings(spec, mesh, arg_shapes, signature.results, lead),
                     shardings(spec, mesh, arg_shapes, signature.operands, lead))
 
@@ -174,16 +176,46 @@ def _leading_rule(signature: Signature, rule: str, lead: int) -> str:
     return f"{operands} -> {', '.join(prefix + term for term in results.split(', '))}"
 
 
-def _fold_leading(call, signature: Signature, lead: int, operands):
+def _fold_leading(spec, call, signature: Signature, lead: int, operands):
     """call(*operands) with the `lead` vmapped axes in front of the batch merged into it
-    (the descale table has none), and split off its results again."""
+    (the descale table has none), and split off its results again. Where the merged
+    batch would pass what one kernel call takes (_kernel_select.batch_limit), the
+    elements go in groups, one call per group in a `lax.map`."""
     if not lead:
         return call(*operands)
     outer, batch = operands[0].shape[:lead], operands[0].shape[lead]
-    merged = math.prod(outer) * batch  # written out: a size of 0 leaves no -1 to infer
-    flat = [x if name == "descale" else x.reshape(merged, *x.shape[lead + 1:])
-            for name, x in zip(signature.operands, operands)]
-    return tuple(r.reshape(*outer, batch, *r.shape[1:]) for r in call(*flat))
+    elements = math.prod(outer)
+    group = _group_size(spec, elements, batch, *operands[0].shape[lead + 1:lead + 3])
+    groups = 1 if group is None else elements // group
+    merged = elements * batch if group is None else group * batch
+    # Shapes written out: a size of 0 leaves no -1 to infer.
+    folded = [(name, x if name == "descale"
+               else x.reshape(groups, merged, *x.shape[lead + 1:]))
+              for name, x in zip(signature.operands, operands)]
+
+    def one_group(xs):  # the batched operands of one group, in order
+        it = iter(xs)
+        return call(*(x if name == "descale" else next(it) for name, x in folded))
+
+    batched = [x for name, x in folded if name != "descale"]
+    if groups == 1:
+        results = [r[None] for r in one_group([x[0] for x in batched])]
+    else:
+        results = jax.lax.map(one_group, batched)
+    return tuple(r.reshape(*outer, batch, *r.shape[2:]) for r in results)
+
+
+def _group_size(spec, elements, batch, seqlen_q, heads) -> int | None:
+    """How many vmapped elements one kernel call takes: None for all of them, else the
+    most that divide them and keep the batch within _kernel_select.batch_limit (each
+    element's own batch passed the per-call checks)."""
+    if spec.path not in ("cute", "platform") or not all(
+            isinstance(n, int) for n in (elements, batch)):
+        return None
+    limit = _kernel_select.batch_limit(spec, seqlen_q, heads)
+    if limit is None or elements * batch <= limit:
+        return None
+    return max(g for g in range(1, limit // batch + 1) if elements % g == 0)
 
 
 def _identity(spec, *operands):

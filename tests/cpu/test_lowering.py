@@ -192,6 +192,39 @@ def test_vmap_of_grad_folds_into_the_batch(built):
                            f"6x4x{sq_pad}xf32"]
 
 
+def kernel_operand_types(fn, *args):
+    """The operand types of each jax_fa4_fwd / jax_fa4_bwd call in fn lowered for CUDA,
+    and whether the lowering has a loop (a lax.map)."""
+    text = jax.jit(lambda *a: fn(*a)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    calls = re.findall(r"custom_call @jax_fa4_(?:fwd|bwd)\(.*?\) \{.*?\} : \(([^)]*)\)", text)
+    return [re.findall(r"tensor<([^>]*)>", c) for c in calls], "stablehlo.while" in text
+
+
+@pytest.mark.parametrize("elements,batch,calls_batch,loop", [
+    (3, 30000, 30000, True),  # 90000 > 65535 (a grid dimension): one element a call
+    (4, 30000, 60000, True),  # two elements a call
+    (2, 30000, 60000, False),  # all of them
+])
+def test_vmap_folds_no_more_than_a_grid_takes(built, elements, batch, calls_batch, loop):
+    # Each element's batch passed the per-call checks; the vmapped axes folded into it
+    # must not pass the grid's 65535 (a launch error at run time).
+    q = sds(elements, batch, 16, 4, 64)
+    grad = grad_of_sum(functools.partial(jax_fa4.attention, causal=True))
+    calls, looped = kernel_operand_types(jax.vmap(grad), q, q, q)
+    assert [c[0] for c in calls] == [f"{calls_batch}x16x4x64xbf16"] * 2  # fwd, bwd
+    assert looped == loop
+
+
+def test_vmap_folds_no_more_than_a_split_out_view_takes(built, monkeypatch):
+    # A decode-shaped call whose split kernel's 32-bit out view holds one element's
+    # out (16384 x 16 x 32 x 128 = 2^30) but not two folded together.
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (FakeGpu("9.0"),))
+    q, kv = sds(2, 16384, 16, 32, 128), sds(2, 16384, 512, 8, 128)
+    calls, looped = kernel_operand_types(jax.vmap(jax_fa4.attention), q, kv, kv)
+    (call,) = calls
+    assert call[0].startswith("16384x") and looped
+
+
 def test_register_targets_once(monkeypatch):
     calls = []
     monkeypatch.setattr(jax.ffi, "register_ffi_target",

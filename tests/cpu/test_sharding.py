@@ -18,7 +18,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_fa4
-from jax_fa4 import _api, _kv_float8, _path, _spec, _vjp
+from jax_fa4 import _api, _kernel_select, _kv_float8, _path, _spec, _vjp
 
 COLLECTIVES = re.compile(r"\b(all-gather|all-reduce|reduce-scatter|all-to-all|collective-permute)")
 
@@ -293,6 +293,29 @@ def test_vmap_folds_into_batch(built):
         ref = jax_fa4.attention(stack(q)[i], stack(k)[i], stack(v)[i], causal=True,
                                 implementation="reference")
         assert_same(out[i], ref)
+
+
+def test_vmap_past_the_grid_runs_in_groups(built, monkeypatch):
+    # With grids of at most 5 batch elements (and heads), 4 vmapped elements of batch 2
+    # go two a call (the largest group that divides 4 and fits) through a lax.map;
+    # forward and gradients as each element alone.
+    monkeypatch.setattr(_kernel_select, "GRID_YZ_LIMIT", 5)
+    q, k, v, _ = inputs(b=2, h=4)
+    assert_kernel_path(q, k, v, causal=True)
+    stack = lambda x: jnp.stack([x, x[::-1], 2 * x, -x])  # noqa: E731
+    q, k, v = stack(q), stack(k), stack(v)
+
+    def loss(q, k, v):
+        return jnp.sum(jax_fa4.attention(q, k, v, causal=True).astype(jnp.float32) ** 2)
+
+    step = jax.jit(jax.vmap(jax.value_and_grad(loss, argnums=(0, 1, 2))))
+    assert "while" in step.lower(q, k, v).compile().as_text()
+    value, grads = step(q, k, v)
+    for i in range(4):
+        ref_value, ref_grads = jax.value_and_grad(loss, argnums=(0, 1, 2))(q[i], k[i], v[i])
+        assert_same(value[i], ref_value)
+        for g, ref in zip(grads, ref_grads):
+            assert_same(g[i], ref)
 
 
 @pytest.mark.parametrize("path", ["kernel", "reference"])
