@@ -82,13 +82,15 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     if local_window_size is not None:
         left, right = local_window_size
         window = (left, 0 if causal else right)
-    out, lse = attention(
-        q, k, v, causal=causal, softmax_scale=scale, return_lse=True, alignment="top_left",
-        window=window, q_lengths=query_seq_lengths, kv_lengths=key_value_seq_lengths)
-    if rank3:
-        out, lse = out[0], lse[0]
+    # The lse only where it is returned: cuDNN (the path of GPUs other than Hopper)
+    # does not give it.
+    result = attention(
+        q, k, v, causal=causal, softmax_scale=scale, return_lse=bool(return_residual),
+        alignment="top_left", window=window, q_lengths=query_seq_lengths,
+        kv_lengths=key_value_seq_lengths)
     if not return_residual:
-        return out
+        return result[0] if rank3 else result
+    out, lse = (x[0] for x in result) if rank3 else result
     residual = jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2).astype(key.dtype))
     return out, residual
 

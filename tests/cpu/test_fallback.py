@@ -181,6 +181,24 @@ def test_cudnn_path_is_per_platform(built, monkeypatch):
     assert "jax_fa4_fwd" not in cuda and "dot_general" in cuda
 
 
+@pytest.mark.parametrize("residual", [False, True])
+def test_dot_product_attention_takes_cudnn_where_attention_does(built, monkeypatch, residual):
+    # It had asked for the lse in every call, which cuDNN does not give: an A100 ran the
+    # reference. With return_residual (the lse), the reference is still the path.
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (A100,))
+    monkeypatch.setattr(_fallback, "through_jax_nn", functools.partial(
+        _fallback.through_jax_nn, implementation="xla"))
+    q = jax.random.normal(jax.random.key(0), (2, 16, 4, 64), jnp.bfloat16)
+    k = jax.random.normal(jax.random.key(1), (2, 16, 2, 64), jnp.bfloat16)
+    expected = jax_fa4.attention(q, k, k, causal=True, implementation="reference")
+    with pytest.warns(RuntimeWarning) as caught:
+        result = jax_fa4.dot_product_attention(q, k, k, is_causal=True,
+                                               return_residual=residual)
+    messages = " ".join(str(w.message) for w in caught)
+    assert ("running cuDNN" in messages) != residual, messages
+    np.testing.assert_array_equal(result[0] if residual else result, expected)
+
+
 @pytest.mark.parametrize("failure,allowed", [
     (ImportError("libcuda.so.1: cannot open shared object file"), False),
     (ImportError("libcuda.so.1: cannot open shared object file"), True),
@@ -192,6 +210,8 @@ def test_missing_native_module_on_a_gpu_machine(monkeypatch, failure, allowed):
     monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
     if allowed:
         monkeypatch.setenv(_fallback.ALLOW_NO_NATIVE, "1")
+    else:  # the CPU tier may run with it set
+        monkeypatch.delenv(_fallback.ALLOW_NO_NATIVE, raising=False)
     cause = "libcuda.so.1: cannot open" if failure else "is not built"
     if not allowed:
         with pytest.raises(RuntimeError, match=f"{cause}.*JAX_FA4_ALLOW_NO_NATIVE=1"):
