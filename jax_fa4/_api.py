@@ -4,7 +4,6 @@ and runs it."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import jax.numpy as jnp
@@ -159,11 +158,7 @@ def _kv_float8_attention(q, k, v, descales, out_dtype, arrays, **options):
         out, lse = _run(kernel_spec, q, k, v, **arrays, descales=table)
     else:
         if spec.path != "reference":
-            _kv_float8.warn_dequantized(
-                _kv_float8.too_large(spec, sizes)
-                or _kernel_select.kernel_support(dataclasses.replace(
-                    spec, kv_float8=True, split_kernel=True, long_rows=False))[1]
-                or "no Hopper GPU for the kernels")
+            _kv_float8.warn_dequantized(spec, sizes)
         out, lse = _run(spec, q, *_kv_float8.dequantized(k, v, table), **arrays)
     return _float8.undefined_heads(out, lse, table)
 

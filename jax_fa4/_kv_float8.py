@@ -96,9 +96,11 @@ def kernel_spec(spec: AttentionSpec, sizes: tuple) -> AttentionSpec | None:
 
 
 def too_large(spec: AttentionSpec, sizes: tuple) -> str:
-    """Why no float8-KV kernel can write this call's out ('' where one can): every one
-    is a split kernel, whose out view has 32-bit offsets (_split_kv.OUT_VIEW_ELEMENTS)."""
-    if _split_kv.out_view_fits(*sizes[:3], spec.head_dim_v):
+    """Why no float8-KV kernel can write this call's out ('' where one can, or where
+    sizes are symbolic: jax.export): every one is a split kernel, whose out view has
+    32-bit offsets (_split_kv.OUT_VIEW_ELEMENTS)."""
+    if (not all(isinstance(n, int) for n in sizes[:3])
+            or _split_kv.out_view_fits(*sizes[:3], spec.head_dim_v)):
         return ""
     return ("out has 2^31 elements or more, past the 32-bit out view of the float8-KV "
             "kernels (split kernels)")
@@ -113,9 +115,16 @@ def dequantized(k, v, descales):
     return scaled(k, descales[1]), scaled(v, descales[2])
 
 
-def warn_dequantized(reason: str) -> None:
-    if _path.gpu_devices():
-        _fallback.warn_message_once(DEQUANTIZE_WARNING.format(reason))
+def warn_dequantized(spec: AttentionSpec, sizes: tuple) -> None:
+    """The warning of a call `kernel_spec` gave no kernel, where a GPU is (elsewhere
+    every call dequantizes)."""
+    if not _path.gpu_devices():
+        return
+    reason = (too_large(spec, sizes)
+              or _kernel_select.kernel_support(dataclasses.replace(
+                  spec, kv_float8=True, split_kernel=True, long_rows=False))[1]
+              or "no Hopper GPU for the kernels")
+    _fallback.warn_message_once(DEQUANTIZE_WARNING.format(reason))
 
 
 def forward(spec: AttentionSpec, q, k, v, descales, segments=()):

@@ -148,3 +148,28 @@ def test_export_grouped_symbolic_shapes(built):
         q, k, v, causal=True).astype(jnp.float32)), argnums=(0, 1, 2)))
     exported = _export(grad, q, kv, kv)
     assert "stablehlo.custom_call @jax_fa4_bwd" in exported.mlir_module()
+
+
+def test_export_float8_kv_with_symbolic_shapes(built):
+    # Float8 K/V with symbolic sizes dequantize (the float8-KV kernels need static ones):
+    # their size check had compared a symbolic out size with 2^31 and raised.
+    b, s = export.symbolic_shape("b, s")
+    q_arg = jax.ShapeDtypeStruct((b, s, 4, 64), jnp.bfloat16)
+    kv_arg = jax.ShapeDtypeStruct((b, s, 4, 64), jnp.float8_e4m3fn)
+    attn = jax.jit(functools.partial(jax_fa4.attention, causal=True))
+    restored = export.deserialize(_export(attn, q_arg, kv_arg, kv_arg).serialize())
+    q = jax.random.normal(jax.random.key(0), (2, 9, 4, 64), jnp.float32)
+    kv = q[:, ::-1].astype(jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(restored.call(q.astype(jnp.bfloat16), kv, kv),
+                                  attn(q.astype(jnp.bfloat16), kv, kv))
+
+    cache = jax.ShapeDtypeStruct((16, 16, 4, 64), jnp.float8_e4m3fn)
+    paged = jax.jit(jax_fa4.paged_attention)
+    restored = export.deserialize(_export(
+        paged, jax.ShapeDtypeStruct((b, 1, 4, 64), jnp.bfloat16), cache, cache,
+        jax.ShapeDtypeStruct((b, 4), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32),
+    ).serialize())
+    caches = jax.random.normal(jax.random.key(1), (16, 16, 4, 64)).astype(jnp.float8_e4m3fn)
+    args = (q[:, :1].astype(jnp.bfloat16), caches, caches,
+            jnp.array([[3, 1, 0, 2], [5, 6, 7, 8]], jnp.int32), jnp.array([40, 17], jnp.int32))
+    np.testing.assert_array_equal(restored.call(*args), paged(*args))
