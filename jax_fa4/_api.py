@@ -113,7 +113,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
     dv (and dsinks). Where the forward runs the kernel, so does the backward kernel
     (`deterministic` picks its dq accumulation); the reference path differentiates the
     reference. Forward mode (jvp) works on the reference path only (the kernel paths are
-    a custom_vjp).
+    a custom_vjp); calls the kernels take run the kernel path on a machine without a GPU
+    too (the reference inside it, so that they also lower for CUDA), so forward mode
+    there needs implementation="reference".
     """
     arrays = dict(sinks=sinks, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
                   q_lengths=q_lengths, kv_lengths=kv_lengths)
@@ -240,9 +242,11 @@ def supports(q, k, v, **kwargs) -> Support:
     `.path` is "kernel", "cudnn" or "reference". Where "cute" would run but
     implementation=None does not (GPUs other than Hopper beside one), the reason says
     why. Malformed input raises ValueError; a GPU machine whose native module failed to
-    import raises implementation=None's RuntimeError.
+    import raises implementation=None's RuntimeError. With implementation="reference",
+    `.path` is "reference" (ok and reason still answer for "cute").
     """
-    _check_implementation(kwargs.pop("implementation", None))
+    implementation = kwargs.pop("implementation", None)
+    _check_implementation(implementation)
     varlen = "cu_seqlens_q" in kwargs or "cu_seqlens_k" in kwargs
     entry = attention_varlen if varlen else attention
     # Unknown or missing arguments named in the entry point's terms (the spec's
@@ -270,6 +274,8 @@ def supports(q, k, v, **kwargs) -> Support:
             spec = AttentionSpec.from_inputs(q, k, v, descales=descales, **kwargs)
     sizes = _path.sizes(q, k, varlen=varlen)
     ok, reason = _path.kernel_runs_here(spec, sizes)
+    if implementation == "reference":
+        return Support(ok, reason, "reference")
     path, none_reason, why = _path.decide(spec, sizes)
     if path == "platform":  # the kernel on CUDA: here, if a Hopper GPU is visible
         path = "kernel" if ok else "reference"
@@ -289,13 +295,14 @@ def kernels() -> list[dict]:
     return _registry.manifest()
 
 
-def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation,
+def _plan(q, k, v, *, causal, softmax_scale, return_lse, implementation, warn=True,
           **features) -> AttentionSpec:
-    """Validates everything and fixes the path, before anything is traced."""
+    """Validates everything and fixes the path, before anything is traced (warn:
+    `_path.choose`'s)."""
     _check_implementation(implementation)
     spec = AttentionSpec.from_inputs(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                      return_lse=return_lse, **features)
-    return _path.plan(spec, implementation, _path.sizes(q, k, varlen=False))
+    return _path.plan(spec, implementation, _path.sizes(q, k, varlen=False), warn)
 
 
 def _run(spec: AttentionSpec, q, k, v, *, sinks, q_segment_ids, kv_segment_ids, q_lengths,

@@ -128,8 +128,10 @@ def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implemen
     dense = [jax.ShapeDtypeStruct((batch, max_pages * page_size, *c.shape[2:]),
                                   jnp.bfloat16 if float8 else c.dtype)
              for c in (k_cache, v_cache)]
+    # A probe: where it finds no kernel, the gather path warns, and so does the
+    # attention call it then makes (this one's return_lse is not the caller's).
     spec = _api._plan(q, *dense, return_lse=True, implementation=implementation,
-                      kv_lengths=kv_lengths, sinks=sinks, **options)
+                      warn=False, kv_lengths=kv_lengths, sinks=sinks, **options)
     if float8 and spec.path in ("cute", "platform"):
         # None: no float8-KV kernel for it; the gather path then dequantizes.
         spec = _kv_float8.kernel_spec(spec, _path.sizes(q, dense[0], varlen=False))

@@ -27,12 +27,12 @@ NO_JAX_GPU = (
     "reference on the CPU. Set JAX_PLATFORMS=cpu to run on the CPU on purpose.")
 
 
-def plan(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
+def plan(spec: AttentionSpec, implementation, sizes: tuple, warn: bool = True) -> AttentionSpec:
     """A validated spec with its path, then its packing, then its split, then its
     long-row tile: each step reads the one before it (the split counts the grid the
-    packing left). sizes: `sizes`'s."""
-    return with_long_rows(
-        with_split(with_packing(choose(spec, implementation, sizes), *sizes[2:]), sizes), sizes)
+    packing left). sizes: `sizes`'s; warn: `choose`'s."""
+    return with_long_rows(with_split(with_packing(
+        choose(spec, implementation, sizes, warn), *sizes[2:]), sizes), sizes)
 
 
 def sizes(q, k, *, varlen: bool) -> tuple:
@@ -42,7 +42,10 @@ def sizes(q, k, *, varlen: bool) -> tuple:
     return q.shape[0], q.shape[2], q.shape[1], k.shape[1]
 
 
-def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
+def choose(spec: AttentionSpec, implementation, sizes: tuple,
+           warn: bool = True) -> AttentionSpec:
+    """The spec with its path; warns of a fallback where a GPU is, unless `warn` is off
+    (a probe whose caller runs, and warns of, another call)."""
     if implementation == "reference":
         return spec.with_path("reference")
     if implementation == "cute":
@@ -55,7 +58,8 @@ def choose(spec: AttentionSpec, implementation, sizes: tuple) -> AttentionSpec:
             raise NotImplementedError(reason)
         return spec.with_path("cute")
     path, reason, why = decide(spec, sizes)
-    if path != "platform" and gpu_devices():  # no GPU: the reference is this machine's path
+    # No GPU: the reference is this machine's path, no fallback.
+    if warn and path != "platform" and gpu_devices():
         _fallback.warn_once(reason + (f"; {why}" if why else ""), path)
     if gpu_unseen():
         _fallback.warn_message_once(NO_JAX_GPU)

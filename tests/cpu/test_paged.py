@@ -2,6 +2,7 @@
 densely, for pages in any order, ragged and out-of-range lengths and page ids; its
 validation; no gradient; and the kernel call it lowers to for CUDA."""
 
+import functools
 import re
 import warnings
 
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _api, _paged, _path
+from jax_fa4 import _api, _fallback, _paged, _path
 
 B, HQ, HKV, D = 3, 4, 2, 16
 
@@ -262,6 +263,29 @@ def test_warns_on_a_gpu_that_pages_are_gathered(monkeypatch, fresh_warnings):
     # (The fake GPU, no Hopper, also brings the fallback's own warning.)
     assert [str(w.message) for w in caught if "gathers" in str(w.message)] == [
         _paged.GATHER_WARNING]
+
+
+def test_a_gpu_without_paged_kernels_hears_only_of_what_runs(built, monkeypatch,
+                                                             fresh_warnings):
+    # The probe for a paged kernel plans with return_lse=True; on an A100 it had warned
+    # that cuDNN gives no lse, which the caller never asked for.
+    class A100:
+        compute_capability = "8.0"
+
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (A100(),))
+    monkeypatch.setattr(_fallback, "through_jax_nn", functools.partial(
+        _fallback.through_jax_nn, implementation="xla"))
+    rng = np.random.default_rng(4)
+    _, _, k_cache, v_cache, table = _cache(rng, 16, 2, 8)
+    k_cache, v_cache = (x.astype(jnp.bfloat16) for x in (k_cache, v_cache))
+    q = jnp.asarray(rng.standard_normal((B, 2, HQ, D)), jnp.bfloat16)  # even, for cuDNN
+    lengths = jnp.asarray([4, 20, 32], jnp.int32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        jax_fa4.paged_attention(q, k_cache, v_cache, table, lengths, causal=False)
+    messages = [str(w.message) for w in caught]
+    assert _paged.GATHER_WARNING in messages
+    assert not [m for m in messages if "return_lse" in m], messages
 
 
 @pytest.mark.parametrize("batch,heads_kv", [(0, HKV), (B, 0)])

@@ -132,7 +132,9 @@ def test_supports_reasons(built, monkeypatch):
     monkeypatch.setattr(_path, "gpu_devices", lambda: (Hopper(),))
     assert jax_fa4.supports(Q, KV, KV, causal=True) == (True, "")
     assert jax_fa4.supports(Q, KV, KV, causal=True).path == "kernel"
-    assert jax_fa4.supports(Q, KV, KV, implementation="reference") == (True, "")
+    # implementation="reference" names its own path (it had been ignored: "kernel")
+    reference = jax_fa4.supports(Q, KV, KV, implementation="reference")
+    assert reference == (True, "") and reference.path == "reference"
 
 
 def test_supports_names_unknown_and_missing_arguments_in_the_entry_points_terms():
