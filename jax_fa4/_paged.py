@@ -154,8 +154,69 @@ def _kernel_spec(q, k_cache, v_cache, page_table, kv_lengths, sinks, *, implemen
     return None if reason else paged
 
 
-def _in_place(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new,
-              table):
+# The operands of `_in_place` after the spec; sinks, k_new, v_new and table may be None.
+_OPERANDS = ("q", "k_cache", "v_cache", "page_table", "kv_lengths", "sinks", "k_new",
+             "v_new", "table")
+# Operands a vmapped call may fold into the batch; the others stay shared by its elements.
+_PER_SEQUENCE = ("q", "page_table", "kv_lengths")
+
+
+def _in_place(spec, *operands):
+    """`_kernel` (operands as _OPERANDS), batched by vmap (`_batched`)."""
+    present = tuple(x is not None for x in operands)
+    return _batched(spec, present)(*(x for x in operands if x is not None))
+
+
+@functools.cache
+def _batched(spec, present: tuple):
+    """`_kernel` on the `present` operands, with a vmap rule. The kernel call takes one
+    batch of q, page tables and lengths on 4-D caches, so a vmapped call folds its axis
+    into that batch where the caches, sinks and descales are shared and nothing is
+    appended (the serving case: one cache, many sequences), up to what one kernel call
+    takes (_kernel_select.batch_limit); otherwise (caches per element, or appended rows,
+    whose updated caches are per element) it runs one call per element in a `lax.map`.
+    Without the rule, the FFI call would get 5-D caches."""
+    def named(values):
+        it = iter(values)
+        return {name: next(it) if p else None for name, p in zip(_OPERANDS, present)}
+
+    @jax.custom_batching.custom_vmap
+    def call(*operands):
+        return _kernel(spec, **named(operands))
+
+    @call.def_vmap
+    def rule(axis_size, in_batched, *operands):
+        values, batched = named(operands), named(in_batched)
+        q = values["q"]
+        batch, seqlen_q, heads = q.shape[1:4] if batched["q"] else q.shape[:3]
+        folds = (axis_size > 0 and values["k_new"] is None
+                 and not any(batched[n] for n in _OPERANDS if n not in _PER_SEQUENCE)
+                 and axis_size * batch <= (_kernel_select.batch_limit(
+                     spec, seqlen_q, heads) or 0))
+        if folds:
+            def fold(name):
+                x = values[name]
+                if not batched[name]:
+                    x = jnp.broadcast_to(x, (axis_size, *x.shape))
+                return x.reshape(axis_size * batch, *x.shape[2:])
+
+            results = call(*(fold(n) if n in _PER_SEQUENCE else values[n]
+                             for n in _OPERANDS if values[n] is not None))
+            results = tuple(r.reshape(axis_size, batch, *r.shape[1:]) for r in results)
+        else:
+            mapped = [n for n in _OPERANDS if batched[n]]
+
+            def one(xs):
+                element = {**values, **dict(zip(mapped, xs))}
+                return call(*(element[n] for n in _OPERANDS if element[n] is not None))
+
+            results = tuple(jax.lax.map(one, [values[n] for n in mapped]))
+        return results, tuple(True for _ in results)
+
+    return call
+
+
+def _kernel(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new, table):
     """The paged kernel: out and lse as `attention` gives them on the gathered keys
     (and the caches, appending); table: float8 caches' descales (_kv_float8.table)."""
     batch, seqlen_q = q.shape[:2]

@@ -223,6 +223,37 @@ def test_appending_decode_lowers_to_the_kernel_in_place(built):
     assert "scatter" not in text
 
 
+@pytest.mark.parametrize("cache_axis,appends,folded", [
+    (None, False, True),  # one cache, per-element sequences: the batch grows
+    (0, False, False),  # a cache per element: one call each
+    (None, True, False),  # appended rows: each element's updated cache is its own
+])
+def test_vmap_of_paged_decode(built, cache_axis, appends, folded):
+    # The FFI call had got the vmapped caches as 5-D arrays (rejected at run time).
+    n, q = 3, sds(3, 2, 1, 32, 128)
+    cache = sds(*((n,) if cache_axis == 0 else ()), 300, 64, 8, 128)
+    table, lengths = sds(n, 2, 128, dtype=jnp.int32), sds(n, 2, dtype=jnp.int32)
+    new = sds(n, 2, 1, 8, 128)
+
+    def step(q, kc, vc, t, lengths, kn, vn):
+        if appends:
+            return jax_fa4.paged_attention(q, kc, vc, t, lengths, k_new=kn, v_new=vn)
+        return jax_fa4.paged_attention(q, kc, vc, t, lengths)
+
+    batched = jax.vmap(step, in_axes=(0, cache_axis, cache_axis, 0, 0, 0, 0))
+    text = jax.jit(batched).trace(q, cache, cache, table, lengths, new, new).lower(
+        lowering_platforms=("cuda",)).as_text()
+    operands = _fwd_operands(text)
+    assert operands[1:3] == ["tensor<300x64x8x128xbf16>"] * 2, operands
+    assert operands[-1 - 2 * appends] == f"tensor<{2 * n if folded else 2}x128xi32>", operands
+    assert ("stablehlo.while" in text) != folded
+    results = jax.eval_shape(batched, q, cache, cache, table, lengths, new, new)
+    if appends:
+        assert results[1].shape == (n, 300, 64, 8, 128)
+    else:
+        assert results.shape == (n, 2, 1, 32, 128)
+
+
 @pytest.mark.parametrize("page_size,dims,kernel_d", [(24, (128, 128), 128),
                                                      (64, (80, 80), 96),  # zero-padded
                                                      (64, (192, 128), 192)])

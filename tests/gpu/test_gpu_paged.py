@@ -232,3 +232,32 @@ def test_appending_in_a_decode_loop(fa):
         fa.assert_attention(f"decode loop step {i}", outs[:, i:i + 1], lses[:, :, i:i + 1],
                             q[:, i:i + 1], k, v, causal=True,
                             segments={"kv_lengths": start + i + 1})
+
+
+@pytest.mark.parametrize("shared_cache,appends", [(True, False), (False, False),
+                                                  (True, True)])
+def test_vmap(shared_cache, appends):
+    """vmap over 3 elements, each of batch 2: sharing one cache, folded into one call of
+    batch 6; a cache per element, or appended rows, one call each (lax.map). Each
+    element bit for bit the call alone (the same spec: splits per element's shape)."""
+    n, batch, page_size, max_pages = 3, 2, 64, 16
+    q, k_cache, v_cache, table, k_new, v_new = _appending(21, n * batch, page_size,
+                                                          max_pages, 1, D)
+    lengths = jnp.asarray([900, 1, 0, 1024, 300, 64], jnp.int32)
+    per = lambda x: x.reshape(n, batch, *x.shape[1:])  # noqa: E731
+    caches = (k_cache, v_cache) if shared_cache else tuple(
+        jnp.stack([c, jnp.roll(c, 1, axis=0), -c]) for c in (k_cache, v_cache))
+
+    def step(q, kc, vc, t, lengths, kn, vn):
+        new = dict(k_new=kn, v_new=vn) if appends else {}
+        return jax_fa4.paged_attention(q, kc, vc, t, lengths, return_lse=True, **new)
+
+    axis = None if shared_cache else 0
+    got = jax.jit(jax.vmap(step, in_axes=(0, axis, axis, 0, 0, 0, 0)))(
+        per(q), *caches, per(table), per(lengths), per(k_new), per(v_new))
+    for i in range(n):
+        kc, vc = caches if shared_cache else (c[i] for c in caches)
+        want = jax.jit(step)(per(q)[i], kc, vc, per(table)[i], per(lengths)[i],
+                             per(k_new)[i], per(v_new)[i])
+        for g, w in zip(got, want):
+            assert np.array_equal(np.asarray(g[i]), np.asarray(w)), i
