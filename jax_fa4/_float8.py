@@ -74,6 +74,22 @@ def undefined_heads(out, lse, table):
     return jnp.where(bad[:, None], jnp.nan, out), jnp.where(bad[:, None], jnp.nan, lse)
 
 
+def v_view_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
+    """Whether the kernel's V^T (`transposed_v`) fits its 32-bit offsets per batch
+    element, Hkv * Dv * Skp < 2^31 (ffi/attention_fwd_fp8.cc); sizes as
+    `_path.sizes`'s, symbolic ones (jax.export) left to the handler."""
+    _, heads, _, seqlen_k = sizes
+    if spec.out_dtype is None or not all(isinstance(n, int) for n in (heads, seqlen_k)):
+        return True, ""
+    padded = -(-seqlen_k // KEYS_ALIGN) * KEYS_ALIGN
+    heads_kv = heads // spec.group_size
+    if heads_kv * spec.head_dim_v * padded < 1 << 31:
+        return True, ""
+    return False, (f"the float8 kernels address V^T per batch element in 32 bits: Hkv * "
+                   f"Dv * Sk (rounded up to {KEYS_ALIGN}) < 2^31; got {heads_kv} * "
+                   f"{spec.head_dim_v} * {padded}")
+
+
 def transposed_v(v):
     """V^T for the kernel: (B, Sk, Hkv, Dv) -> (B, Hkv, Dv, Skp), Skp the keys rounded
     up to KEYS_ALIGN (zeros past Sk), each 32 keys in the kernel's order."""

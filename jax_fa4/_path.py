@@ -16,8 +16,8 @@ import os
 
 import jax
 
-from jax_fa4 import (_fallback, _kernel_select, _pack_gqa, _registry, _segment_plan,
-                     _split_kv)
+from jax_fa4 import (_fallback, _float8, _kernel_select, _pack_gqa, _registry,
+                     _segment_plan, _split_kv)
 from jax_fa4._spec import AttentionSpec
 
 NVIDIA_DRIVER = "/proc/driver/nvidia/version"
@@ -209,6 +209,8 @@ def kernel_support(spec: AttentionSpec, sizes: tuple) -> tuple[bool, str]:
         ok, reason = _kernel_select.grid_support(*sizes[:2])
     if ok and spec.segment_kernel:
         ok, reason = _segment_plan.positions_support(*sizes[2:])
+    if ok:
+        ok, reason = _float8.v_view_support(spec, sizes)
     return ok, reason
 
 

@@ -4,6 +4,7 @@ the reference runs (directly, or as the CPU branch of the per-platform path); th
 kernel's call is checked by lowering it for CUDA and its V layout against the wgmma
 fragments. tests/gpu/test_gpu_float8.py runs the kernels."""
 
+import functools
 import re
 
 import jax
@@ -147,6 +148,17 @@ def test_float8_supports_names_the_kernel_and_what_runs_here(built):
     # Softcap has no e4m3 kernel.
     assert "no compiled kernel for dtype=e4m3" in jax_fa4.supports(
         Q8, KV8, KV8, softcap=30.0)[1]
+
+
+def test_float8_refuses_a_v_view_past_32_bits_before_tracing(built):
+    # The kernel's V^T per batch element, Hkv * Dv * Skp, is addressed in int32; the
+    # handler had refused it at run time (an XlaRuntimeError).
+    q = sds(1, 16, 32, 128, dtype=jnp.float8_e4m3fn)
+    for keys, fits in ((524256, True), (524288, False)):  # 32 * 128 * keys vs 2^31
+        k = sds(1, keys, 32, 128, dtype=jnp.float8_e4m3fn)
+        assert ("V^T per batch element in 32 bits" in jax_fa4.supports(q, k, k)[1]) != fits
+    with pytest.raises(NotImplementedError, match=r"Hkv \* Dv \* Sk"):
+        jax.eval_shape(functools.partial(jax_fa4.attention, implementation="cute"), q, k, k)
 
 
 @pytest.mark.parametrize("causal,window,d", [(False, None, 64), (True, None, 128),
