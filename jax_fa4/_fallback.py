@@ -99,7 +99,13 @@ def through_jax_nn(spec: AttentionSpec, q, k, v, *, q_lengths, kv_lengths,
 
 
 def native_allowed() -> bool:
-    return os.environ.get(ALLOW_NO_NATIVE) == "1"
+    """JAX_FA4_ALLOW_NO_NATIVE: "1" allows it, unset, "" or "0" does not; any other
+    value is refused rather than read as either."""
+    value = os.environ.get(ALLOW_NO_NATIVE, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{ALLOW_NO_NATIVE} takes 1 (allow running without the native "
+                         f"module) or 0; got {value!r}")
+    return value == "1"
 
 
 def warn_once(reason: str, path: str) -> None:

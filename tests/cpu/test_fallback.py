@@ -199,6 +199,16 @@ def test_dot_product_attention_takes_cudnn_where_attention_does(built, monkeypat
     np.testing.assert_array_equal(result[0] if residual else result, expected)
 
 
+def test_allow_no_native_takes_only_0_or_1(monkeypatch):
+    # "true" had been read as unset, silently.
+    monkeypatch.setattr(_registry, "_ffi", None)
+    monkeypatch.setattr(_registry, "_IMPORT_ERROR", None)
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
+    monkeypatch.setenv(_fallback.ALLOW_NO_NATIVE, "true")
+    with pytest.raises(ValueError, match="JAX_FA4_ALLOW_NO_NATIVE takes 1 .* got 'true'"):
+        plan(Q, KV, KV)
+
+
 @pytest.mark.parametrize("failure,allowed", [
     (ImportError("libcuda.so.1: cannot open shared object file"), False),
     (ImportError("libcuda.so.1: cannot open shared object file"), True),
