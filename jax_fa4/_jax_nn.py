@@ -53,6 +53,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
         None if x is None else jnp.asarray(x)
         for x in (query, key, value, mask, query_seq_lengths, key_value_seq_lengths))
     _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask)
+    _check_window(local_window_size)
     if scale is not None and not isinstance(scale, jax.core.Tracer) and np.size(scale) == 1:
         # a concrete jax or NumPy scalar (or one-element array), as jax.nn takes it
         scale = float(np.reshape(scale, ()))
@@ -124,6 +125,18 @@ def _check(query, key, value, query_seq_lengths, key_value_seq_lengths, mask) ->
                              f"{tuple(lengths.shape)} ({lengths.dtype})")
     if mask is not None and np.dtype(mask.dtype) != np.bool_:
         raise ValueError(f"mask dtype should be bool, but got {mask.dtype}")
+
+
+def _check_window(local_window_size) -> None:
+    def whole(n):
+        return isinstance(n, (int, np.integer)) and not isinstance(n, bool)
+
+    if local_window_size is None or whole(local_window_size):
+        return
+    if not (isinstance(local_window_size, (tuple, list)) and len(local_window_size) == 2
+            and all(map(whole, local_window_size))):
+        raise ValueError("local_window_size must be None, an int or a tuple (left, right) "
+                         f"of ints; got {local_window_size!r}")
 
 
 def _scores(q, k) -> tuple:

@@ -160,6 +160,11 @@ def test_jax_nn_implementations_pass_through(monkeypatch, implementation):
      "mask dtype should be bool, but got float32"),
     ((jnp.zeros((B, T, N, H)),) * 3, dict(mask=jnp.ones((T - 1, T), bool)),
      rf"mask shape \({T - 1}, {T}\) does not broadcast to the attention scores' shape"),
+    # It had been "too many values to unpack", naming no argument.
+    ((jnp.zeros((B, T, N, H)),) * 3, dict(local_window_size=(1, 2, 3)),
+     r"local_window_size must be None, an int or a tuple \(left, right\) of ints; "
+     r"got \(1, 2, 3\)"),
+    ((jnp.zeros((B, T, N, H)),) * 3, dict(local_window_size=2.5), "local_window_size"),
 ])
 def test_malformed_input_is_refused_like_jax_nn(args, kwargs, match):
     with pytest.raises(ValueError, match=match):
