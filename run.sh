@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Quick start. Sets up .venv (Python >= 3.12), builds and installs jax_fa4, then:
+# Quick start. Sets up .venv (Python >= 3.12), builds and installs jax_fa4 (again only
+# when its source changed), then:
 #   bash run.sh train   trains the example GPT (examples/train_gpt.py; GPU or CPU preset)
 #   bash run.sh generate  decodes with a paged KV cache next to a dense one
 #                       (examples/generate.py; GPU or CPU preset)
@@ -27,8 +28,8 @@ find_python() {
 make_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$(find_python)" -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
   fi
-  "$VENV/bin/python" -m pip install -q --upgrade pip
 }
 
 # pip with its full log in build/LOG.log and its milestones (and one line per
@@ -49,13 +50,32 @@ logged_pip() {  # LOG pip-arguments...
   fi
 }
 
+# What the build reads, hashed: setup skips the build where the venv holds one of it.
+source_hash() {
+  find jax_fa4 kernels ffi CMakeLists.txt pyproject.toml -type f \
+      ! -name '*.so' ! -name '*.pyc' -print0 |
+    LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -d' ' -f1
+}
+
 setup() {
   make_venv
-  echo "building jax_fa4 (kernel export + native module); log: build/install.log"
-  local extras=test
+  local extras=test stamp=$VENV/.jax_fa4-build built
   # With an NVIDIA driver, jax's CUDA plugin too: plain jax sees only the CPU.
   if [ -e /proc/driver/nvidia/version ]; then extras=test,cuda; fi
+  built="$(source_hash) $extras"
+  if [ -z "${REBUILD:-}" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$built" ]; then
+    echo "jax_fa4: $VENV holds a build of this source (REBUILD=1 builds it again)"
+    return 0
+  fi
+  echo "building jax_fa4 (kernel export + native module); log: build/install.log"
+  rm -f "$stamp"
   logged_pip install install -v ".[$extras]"
+  echo "$built" > "$stamp"
+}
+
+usage() {
+  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  echo "Set REBUILD=1 to build again though the source is unchanged."
 }
 
 # pip builds a wheel tagged for this machine only (linux_x86_64); auditwheel checks that
@@ -82,5 +102,6 @@ case "${1:-}" in
   test) args=("${@:2}"); [ ${#args[@]} -gt 0 ] || args=(tests)
         setup && JAX_FA4_REQUIRE_NATIVE=1 "$VENV/bin/pytest" -q "${args[@]}" ;;
   wheel) wheel ;;
+  -h|--help|help) usage ;;
   *) echo "usage: bash run.sh train|generate|demo|test|wheel [example or pytest arguments]" >&2; exit 2 ;;
 esac
