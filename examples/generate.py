@@ -7,8 +7,8 @@ dense cache on jax.nn (cuDNN on a GPU, XLA on a CPU), the same weights and promp
     python examples/generate.py --preset gpu --batch 32 --profile   # kernels of a run
 
 Each run prefills the prompt once (causal attention over the prompt's own keys and
-values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which also fill the cache),
-which gives the first new token, then decodes the other --new - 1 one a step under one
+values, `jax_fa4.attention` / `jax.nn.dot_product_attention`, which are then written into
+the cache), which gives the first new token, then decodes the other --new - 1 one a step under one
 jit (`lax.fori_loop`): each step's keys and values are written into the cache at the
 sequence's length, and it attends to the cache. The paged model keeps every layer's K
 and V in a pool of pages (num_pages, page_size, Hkv, D) that a page table maps
@@ -19,11 +19,15 @@ dynamic_update_slice and attends with
 `jax.nn.dot_product_attention` and key_value_seq_lengths. Prints tokens/s of whole runs,
 prefill included, for both (batch x --new tokens over the median of --repeats timed
 runs, the two models' runs alternated after a warm-up of each, so that drifting clocks
-touch both alike) and how many generated tokens agree.
+touch both alike), and which path the paged calls take (the paged kernel reads the pages
+in place at page sizes that are multiples of 16 and head dims 64, 128 and 256; other
+calls gather the pages first).
 
 The weights are random (this measures decoding, not a trained model): greedy decoding
-then lands on ties now and then, where the two paths' roundings can pick different
-tokens, so the agreement printed is a sanity check, not an equality.
+then lands on near-ties now and then, where the two paths' roundings can pick different
+tokens, after which the two continuations part. So the check printed feeds both models
+the same tokens (the paged model's) and compares their next-token logits at every step:
+the largest difference, and how many steps' greedy tokens agree.
 
 --profile prints, instead, the GPU kernels of one whole run (prefill and decode loop, as
 timed) of each model, summed by kernel name (CUPTI through JAX's Mosaic GPU profiler),
@@ -213,6 +217,56 @@ def generate(cfg: Config, params, prompts, model):
     return jax.lax.fori_loop(1, cfg.new, step, (out, caches))[0]
 
 
+def compare(cfg: Config, params, prompts, first, second):
+    """Both models fed the same tokens, `first`'s greedy ones: (the largest difference of
+    their next-token logits, the largest logit, the share of steps whose greedy tokens
+    agree), over the prefill's and every decode step's logits."""
+    positions = jnp.broadcast_to(jnp.arange(cfg.prompt), prompts.shape)
+    logits = [forward(cfg, params, prompts, positions, m.empty(), m.prefill) for m in
+              (first, second)]
+
+    def measure(logits, worst, scale, agree):
+        (a, _), (b, _) = logits
+        return (jnp.maximum(worst, jnp.max(jnp.abs(a - b))),
+                jnp.maximum(scale, jnp.max(jnp.abs(a))),
+                agree + jnp.sum(jnp.argmax(a, -1) == jnp.argmax(b, -1)))
+
+    def step(i, state):
+        token, caches, *stats = state
+        length = cfg.prompt + i - 1
+        position = jnp.full((cfg.batch, 1), length)
+        logits = [forward(cfg, params, token[:, None], position, c,
+                          functools.partial(m.decode, length))
+                  for m, c in zip((first, second), caches)]
+        return (jnp.argmax(logits[0][0], -1).astype(jnp.int32),
+                [c for _, c in logits], *measure(logits, *stats))
+
+    state = (jnp.argmax(logits[0][0], -1).astype(jnp.int32), [c for _, c in logits],
+             *measure(logits, 0.0, 0.0, 0))
+    _, _, worst, scale, agree = jax.lax.fori_loop(1, cfg.new, step, state)
+    return worst, scale, agree / (cfg.batch * cfg.new)
+
+
+def paged_path(cfg: Config) -> str:
+    """What the paged model's decode steps run: the paged kernel, or the gather."""
+    from jax_fa4 import _paged
+
+    if jax.default_backend() != "gpu":
+        return "the reference on gathered pages (no GPU)"
+    q = jax.ShapeDtypeStruct((cfg.batch, 1, cfg.heads, cfg.head_dim), jnp.bfloat16)
+    cache = jax.ShapeDtypeStruct((cfg.batch * cfg.max_len // cfg.page_size, cfg.page_size,
+                                  cfg.kv_heads, cfg.head_dim), jnp.bfloat16)
+    spec = _paged._kernel_spec(
+        q, cache, cache, jax.ShapeDtypeStruct((cfg.batch, cfg.max_len // cfg.page_size),
+                                              jnp.int32),
+        jax.ShapeDtypeStruct((cfg.batch,), jnp.int32), None, implementation=None,
+        causal=True, window=None, softcap=None, softmax_scale=None)
+    if spec is None:
+        return (f"attention on gathered pages (no paged kernel here for pages of "
+                f"{cfg.page_size} at head_dim {cfg.head_dim})")
+    return "the paged kernel (pages read in place)"
+
+
 def timed(fns: dict, *args, repeats):
     """{name: (result, median seconds)} of each jitted fn(*args), warmed up (compiled)
     first, then its timed runs alternated with the others'."""
@@ -226,7 +280,7 @@ def timed(fns: dict, *args, repeats):
     return {name: (results[name], statistics.median(times[name])) for name in fns}
 
 
-def profile_run(cfg: Config, params, prompts, model, iterations=3):
+def profile_run(cfg: Config, params, prompts, model, iterations):
     """[(kernel, launches, ms)] of one generate() run, summed by kernel name, longest
     first (CUPTI: each launch's median over the iterations)."""
     from jax.experimental.mosaic.gpu import profiler
@@ -249,12 +303,20 @@ def parse(argv):
     for name, value in PRESETS["cpu"].items():
         ap.add_argument(f"--{name.replace('_', '-')}", type=type(value),
                         help="overrides the preset")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="timed runs per model (with --profile: profiled iterations)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", help="append a JSON record of the run to this file")
     ap.add_argument("--profile", action="store_true",
                     help="print the GPU kernels of one run per model instead")
     args = ap.parse_args(argv)
+    if args.profile and args.json:
+        ap.error("--profile prints kernels and writes no record: drop --json")
+    if args.json:
+        try:  # before the runs, not after them
+            open(args.json, "a").close()
+        except OSError as e:
+            ap.error(f"--json {args.json}: {e.strerror}")
     if args.preset is None:  # after parsing: --help starts no backend
         args.preset = "gpu" if jax.default_backend() == "gpu" else "cpu"
     values = {**PRESETS[args.preset],
@@ -277,13 +339,15 @@ def main(argv=None) -> dict:
     prompts = jax.random.randint(k_prompt, (cfg.batch, cfg.prompt), 0, cfg.vocab, jnp.int32)
     dense_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
     print(f"# {jax.devices()[0].device_kind}: {cfg}")
+    path = paged_path(cfg)
+    print(f"# jax_fa4 paged decode steps run {path}")
     models = (("jax_fa4 paged", Paged(cfg, k_pages)),
               (f"jax.nn {dense_impl} dense", Dense(cfg, dense_impl)))
     if args.profile:
         if jax.default_backend() != "gpu":
             raise SystemExit("--profile times GPU kernels: it needs a GPU")
         for name, model in models:
-            rows = profile_run(cfg, params, prompts, model)
+            rows = profile_run(cfg, params, prompts, model, args.repeats)
             print(f"{name}: one run {sum(ms for *_, ms in rows):.2f} ms "
                   f"in {sum(n for _, n, _ in rows)} kernels")
             for kernel, launches, ms in rows[:20]:
@@ -298,13 +362,18 @@ def main(argv=None) -> dict:
         print(f"{name:>22}: {cfg.batch * cfg.new / seconds:10.1f} tokens/s "
               f"({seconds * 1e3:.1f} ms for {cfg.new} tokens x batch {cfg.batch}, "
               "prefill included)")
-    (paged, t_paged), (dense, t_dense) = runs.values()
-    agree = float(np.mean(paged == dense))
-    print(f"tokens that agree: {agree:.1%}; paged / dense time: {t_paged / t_dense:.2f}")
+    (_, t_paged), (_, t_dense) = runs.values()
+    print(f"paged / dense time: {t_paged / t_dense:.2f}")
+    worst, scale, agree = (float(x) for x in jax.jit(lambda params, prompts: compare(
+        cfg, params, prompts, *(model for _, model in models)))(params, prompts))
+    print(f"fed the same tokens: next-token logits differ by at most {worst:.3g} (largest "
+          f"logit {scale:.3g}); greedy tokens agree at {agree:.1%} of steps")
     record = {"config": dataclasses.asdict(cfg), "device": jax.devices()[0].device_kind,
+              "backend": jax.default_backend(), "seed": args.seed, "repeats": args.repeats,
               "module": _registry.module_md5(),  # which build: the native module's md5
+              "paged_path": path,
               "tokens_per_s": {name: cfg.batch * cfg.new / t for name, (_, t) in runs.items()},
-              "agree": agree}
+              "logit_difference": worst, "largest_logit": scale, "agree": agree}
     if args.json:
         with open(args.json, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -206,6 +206,11 @@ def parse(argv):
              if value <= 0]
     if small:
         ap.error(f"sizes, --lr and --log-every must be > 0; not so: {', '.join(small)}")
+    if not math.isfinite(cfg.lr):
+        ap.error(f"--lr must be finite; got {cfg.lr}")
+    if cfg.vocab <= STEP_SIZES:
+        ap.error(f"--vocab must be above {STEP_SIZES}: the synthetic text's walk takes "
+                 f"{STEP_SIZES} distinct step sizes below it; got {cfg.vocab}")
     if cfg.steps < 2:
         ap.error("--steps must be at least 2 (the first step compiles)")
     if cfg.width % cfg.heads or cfg.heads % cfg.kv_heads or cfg.head_dim % 2:
@@ -273,8 +278,10 @@ def main(argv=None) -> dict:
     print(f"config: preset={args.preset} {dataclasses.asdict(cfg)} "
           f"head_dim={cfg.head_dim} params={n_params / 1e6:.2f}M "
           f"tokens/step={tokens_per_step}")
+    sharding = ("" if args.shard is None else f", {args.shard} sharded"
+                + (" (one device: nothing to split)" if len(devices) == 1 else ""))
     print(f"device: {len(devices)} x {devices[0].device_kind} ({devices[0].platform})"
-          f"{'' if args.shard is None else f', {args.shard} sharded'}")
+          f"{sharding}")
     print(f"attention: {args.attention}: {path}")
     print("data: sticky random walk; loss floors {:.3f} (current token only), "
           "{:.3f} (with the token before)".format(*loss_floors()))

@@ -52,9 +52,24 @@ def test_main_prints_both_rates(generate, tmp_path, capsys):
                             str(tmp_path / "run.jsonl")])
     assert set(record["tokens_per_s"]) == {"jax_fa4 paged", "jax.nn xla dense"}
     assert all(rate > 0 for rate in record["tokens_per_s"].values())
+    # Fed the same tokens, the paged and dense caches give the same logits up to
+    # rounding (a wrong cache: positions, pages or lengths, would not).
     assert record["agree"] >= 0.9
-    assert "tokens/s" in capsys.readouterr().out
+    assert record["logit_difference"] < 0.05 * record["largest_logit"], record
+    assert record["paged_path"] == "the reference on gathered pages (no GPU)"
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and "greedy tokens agree at" in out
     assert (tmp_path / "run.jsonl").read_text().count("\n") == 1
+
+
+def test_json_and_profile_arguments_are_checked_first(generate, tmp_path, capsys):
+    # A bad --json path had raised after the timed runs; --profile had ignored --json.
+    with pytest.raises(SystemExit):
+        generate.parse(["--preset", "cpu", "--json", str(tmp_path / "no" / "run.jsonl")])
+    assert "--json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        generate.parse(["--preset", "cpu", "--profile", "--json", str(tmp_path / "r")])
+    assert "drop --json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("arguments,named", [

@@ -77,3 +77,13 @@ def test_bad_sizes_are_argument_errors(train_gpt, capsys, arguments, named):
     with pytest.raises(SystemExit):
         train_gpt.parse(["--preset", "cpu", *arguments])
     assert f"not so: {named}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments,message", [
+    (["--vocab", "4"], "--vocab must be above 4"),  # had been numpy's sampling error
+    (["--lr", "nan"], "--lr must be finite"),  # had trained to a nan loss
+    (["--lr", "inf"], "--lr must be finite")])
+def test_bad_values_are_argument_errors(train_gpt, capsys, arguments, message):
+    with pytest.raises(SystemExit):
+        train_gpt.parse(["--preset", "cpu", *arguments])
+    assert message in capsys.readouterr().err
