@@ -19,7 +19,9 @@ KEY = ("mode", "d", "causal", "s", "b", "h", "backend")
 # bench.run's optional fields (a record has those its run set): cells that differ in one
 # are different cells, e.g. the same shape with and without a window appended to one file.
 FEATURES = ("dtype", "kv_dtype", "h_kv", "window", "softcap", "documents", "sq",
-            "page_size", "dv")
+            "page_size", "dv", "timing")
+# Feature values a label leaves out: the runs' defaults.
+DEFAULTS = {"dtype": "bfloat16", "timing": "cupti"}
 
 
 def _cell(r: dict) -> tuple:
@@ -29,10 +31,9 @@ def _cell(r: dict) -> tuple:
 
 
 def _features(cell: tuple) -> str:
-    """The features of a cell as a label, e.g. " window=1024 dv=128" (dtype only when not
-    bfloat16, the runs' default)."""
-    return "".join(f" {f}={v}" for f, v in cell[len(KEY):]
-                   if not (f == "dtype" and v == "bfloat16"))
+    """The features of a cell as a label, e.g. " window=1024 dv=128" (dtype and timing
+    only where they are not the runs' DEFAULTS)."""
+    return "".join(f" {f}={v}" for f, v in cell[len(KEY):] if DEFAULTS.get(f) != v)
 
 
 def _load(path: pathlib.Path) -> dict:

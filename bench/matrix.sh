@@ -5,8 +5,15 @@
 # time (round robin over the visible GPUs; one GPU runs them one after the other), so
 # no two processes share a GPU.
 #
-#   bash bench/matrix.sh                # every part: 64 128 256:false 256:true
-#   bash bench/matrix.sh 64 128         # some parts (a part is D or D:causal)
+#   bash bench/matrix.sh                # every part: 64 128 256:false 256:true decode
+#   bash bench/matrix.sh 64 128         # some parts (a part is D, D:causal or decode)
+#
+# decode: the anchors' decode steps, one query row, 32 / 8 heads of 128, batch 1 and
+# 64 over 8k and 128k keys, forward.
+# fa4: upstream FlashAttention-4 on the same cells as the D parts (bench.fa4_peer,
+#   kernel time as bench.run's), in this session; part of the default list where
+#   `flash_attn.cute` imports (../shared/anchors/README.md installs it), else skipped
+#   with a note.
 #
 # Writes $OUT/matrix/<part>.jsonl and .txt (the printed table), then every line in
 # $OUT/<date>-<gpu>.jsonl (gpu: h100, h200, ... from the device name), the file to
@@ -15,10 +22,14 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 parts=("$@")
-[ ${#parts[@]} -gt 0 ] || parts=(64 128 256:false 256:true)
+if [ ${#parts[@]} -eq 0 ]; then
+  parts=(64 128 256:false 256:true decode)
+  if python3 -c 'import flash_attn.cute' 2> /dev/null; then parts+=(fa4)
+  else echo "matrix.sh: flash_attn.cute does not import: no same-session FA4 cells"; fi
+fi
 for part in "${parts[@]}"; do
-  [[ $part =~ ^[0-9]+(:(false|true))?$ ]] ||
-    { echo "matrix.sh: a part is D or D:false / D:true, not '$part'" >&2; exit 2; }
+  [[ $part =~ ^[0-9]+(:(false|true))?$ || $part = decode || $part = fa4 ]] ||
+    { echo "matrix.sh: a part is D, D:false / D:true, decode or fa4, not '$part'" >&2; exit 2; }
 done
 out=${OUT:-build/matrix-out}
 mkdir -p "$out/matrix"
@@ -26,10 +37,25 @@ gpus=${GPUS:-$(nvidia-smi -L | wc -l)}
 [ "$gpus" -ge 1 ] || { echo "matrix.sh: no GPU visible" >&2; exit 1; }
 
 run_part() {  # part, gpu
+  local name=${1/:/-}
+  rm -f "$out/matrix/$name.jsonl" "$out/matrix/$name.txt"
+  if [ "$1" = fa4 ]; then
+    CUDA_VISIBLE_DEVICES=$2 python3 -m bench.fa4_peer --seqlens 512,2048,8192,16384 \
+      --out "$out/matrix/$name.jsonl" > "$out/matrix/$name.txt" 2>&1
+    return
+  fi
+  if [ "$1" = decode ]; then
+    local batch
+    for batch in 1 64; do
+      CUDA_VISIBLE_DEVICES=$2 python3 -m bench.run --hdims 128 --heads 32 --heads-kv 8 \
+        --seqlen-q 1 --causal false --batch "$batch" --seqlens 8192,131072 --passes fwd \
+        --backends jax_fa4,jax_cudnn --out "$out/matrix/$name.jsonl" \
+        >> "$out/matrix/$name.txt" 2>&1 || return 1
+    done
+    return 0
+  fi
   local d=${1%%:*} causal=false,true
   [ "$1" = "$d" ] || causal=${1#*:}
-  local name=${1/:/-}
-  rm -f "$out/matrix/$name.jsonl"
   CUDA_VISIBLE_DEVICES=$2 python3 -m bench.run --hdims "$d" --causal "$causal" \
     --seqlens 512,2048,8192,16384 --passes fwd,bwd,bwd_det \
     --backends jax_fa4,jax_cudnn --out "$out/matrix/$name.jsonl" \

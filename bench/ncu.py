@@ -73,12 +73,14 @@ def _child(args):
     import jax
     import jax.numpy as jnp
 
-    from bench.run import HIDDEN, TOKENS, cell_call
+    from bench.flops import HIDDEN, TOKENS
+    from bench.run import cell_call
 
     d, s = args.hdim, args.seqlen
     causal = args.causal == "true"
     for backend in args.backends.split(","):
-        call, inputs = cell_call(backend, TOKENS // s, s, HIDDEN // d, d, causal,
+        # bench.run's standard cell: 16k tokens a batch, at least one sequence
+        call, inputs = cell_call(backend, max(1, TOKENS // s), s, HIDDEN // d, d, causal,
                                  jnp.bfloat16, args.pass_)
         call = jax.jit(call)
         for _ in range(3):
@@ -211,6 +213,17 @@ def main():
     ap.add_argument("--top", type=int, default=30,
                     help="with --source: instructions listed per kernel")
     args = ap.parse_args()
+    from bench.backends import BACKENDS, DETERMINISTIC
+
+    backends = args.backends.split(",")
+    unknown = sorted(set(backends) - set(BACKENDS))
+    if unknown:
+        ap.error(f"unknown backends {', '.join(unknown)}; known: {', '.join(BACKENDS)}")
+    if args.pass_ == "bwd_det" and set(backends) - set(DETERMINISTIC):
+        ap.error(f"--pass bwd_det takes the backends with a deterministic backward: "
+                 f"{', '.join(DETERMINISTIC)}")
+    if args.hdim < 1 or args.seqlen < 1:
+        ap.error("--hdim and --seqlen must be >= 1")
     if os.environ.get(_CHILD):
         return _child(args)
     if not shutil.which("ncu"):

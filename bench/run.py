@@ -37,21 +37,24 @@ whose ratio compares it with the best peer's bwd.
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import pathlib
+import subprocess
 
 import jax
 import jax.numpy as jnp
 
 from bench.backends import BACKENDS, DETERMINISTIC, FP8, KV_FP8, PAGED
-from bench.flops import attention_flops
+from bench.flops import HIDDEN, TOKENS, attention_flops
 from bench.timing import kernel_times, make_timer
 from jax_fa4 import _registry
 
-TOKENS, HIDDEN = 16384, 2048
 ANCHORS = pathlib.Path(__file__).with_name("anchors_h100.jsonl")
 ANCHOR_BACKEND = "fa4_cute"
+# The GPU the anchors ran on (SXM; a PCIe or NVL H100 is another GPU).
+ANCHOR_DEVICE = "NVIDIA H100 80GB HBM3"
 PASSES = ("fwd", "bwd", "bwd_det")
 
 
@@ -65,13 +68,41 @@ def load_anchors():
     return table
 
 
+def provenance(iterations: int) -> dict:
+    """What a record needs to be reproduced beyond its cell: the software stack (jax,
+    jaxlib, the backend's platform version, cuDNN where jax reports it), the source
+    (git commit, and whether the tree differed from it) and the timed iterations."""
+    import jaxlib
+
+    record = {"jax": jax.__version__, "jaxlib": jaxlib.__version__,
+              "platform": jax.devices()[0].client.platform_version,
+              "iterations": iterations}
+    try:
+        from jax._src.lib import cuda_versions
+        record["cudnn"] = cuda_versions.cudnn_get_version()
+    except Exception:  # no CUDA plugin, or a jax without this internal
+        pass
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        git = functools.partial(subprocess.run, cwd=root, capture_output=True, text=True,
+                                check=True)
+        record["commit"] = git(["git", "rev-parse", "HEAD"]).stdout.strip()
+        record["dirty"] = bool(git(["git", "status", "--porcelain", "--untracked-files=no"])
+                               .stdout.strip())
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git
+        pass
+    return record
+
+
 def cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=None, window_left=None,
               softcap=None, documents=None, seqlen_q=None, dv=None, page_size=None):
     """(call, args) of one pass of one backend on one cell (h query heads, h_kv
     key/value heads, default h; a causal sliding window over window_left + 1 keys;
     scores capped at softcap; rows packed with `documents` equal documents, as segment
     ids; v and out of head_dim dv, default d; K and V as a cache of page_size pages for
-    the PAGED backends). A backward's call is the whole vjp, which re-runs the forward."""
+    the PAGED backends). A backward's call is the whole vjp, which re-runs the forward;
+    mode "fwd_train" is that forward alone (jax.vjp's, which keeps the residuals: for
+    cuDNN its training kernel, which also writes the softmax statistics)."""
     keys = jax.random.split(jax.random.key(0), 4)
     dv = dv or d
     q = jax.random.normal(keys[0], (b, seqlen_q or s, h, d), dtype)
@@ -79,6 +110,7 @@ def cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=None, window_left=N
     k = jax.random.normal(keys[2], (b, s, h_kv or h, d), dtype)
     v = jax.random.normal(keys[3], (b, s, h_kv or h, dv), dtype)
     options = {"deterministic": True} if mode == "bwd_det" else {}
+    training = mode in ("fwd_train", "bwd", "bwd_det")
     if window_left is not None:
         options["window_left"] = window_left
     if softcap is not None:
@@ -88,16 +120,18 @@ def cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=None, window_left=N
     if backend in PAGED:
         options["page_size"] = page_size
     if backend in FP8:
-        if mode != "fwd":
+        if training:
             raise NotImplementedError(f"{backend} is forward only")
         q, k, v = (x.astype(jnp.float8_e4m3fn) for x in (q, k, v))
     if backend in KV_FP8:
-        if mode != "fwd":
+        if training:
             raise NotImplementedError(f"{backend} is forward only")
         k, v = (x.astype(jnp.float8_e4m3fn) for x in (k, v))
     attn = BACKENDS[backend](causal, **options)
     if mode == "fwd":
         return attn, (q, k, v)
+    if mode == "fwd_train":
+        return (lambda q, k, v: jax.vjp(attn, q, k, v)), (q, k, v)
 
     def call(q, k, v, dout):
         return jax.vjp(attn, q, k, v)[1](dout)
@@ -109,19 +143,20 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
             h_kv=None, window_left=None, softcap=None, documents=None, seqlen_q=None,
             dv=None, page_size=None, kernels=False):
     """{"ms", "tflops"} of one pass of `cell_call`'s cell. The backward is timed as a
-    whole vjp minus `fwd_ms`, the convention of the anchors. (jax.nn's cuDNN path runs an
-    inference forward kernel alone and a training one, which also writes the softmax
-    statistics, in the vjp: its backward carries the difference; `kernels` shows both.)
-    With `kernels`, also "kernels": [(name, ms)] of each GPU kernel of one call (a
-    backward's list starts with the forward's kernels)."""
+    whole vjp minus `fwd_ms`, the time of the vjp's own forward (mode "fwd_train"): for
+    jax_fa4 and upstream FA4 the inference kernel, which writes the LSE anyway; for
+    cuDNN its training kernel (subtracting its inference kernel had charged its backward
+    0.9-2.7% more). With `kernels`, also "kernels": [(name, ms)] of each GPU kernel of
+    one call (a backward's list starts with the forward's kernels)."""
     call, args = cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=h_kv,
                            window_left=window_left, softcap=softcap, documents=documents,
                            seqlen_q=seqlen_q, dv=dv, page_size=page_size)
     ms = timer(call, *args, iterations=iterations)
-    if mode != "fwd":
+    if mode in ("bwd", "bwd_det"):
         ms -= fwd_ms
     dv = dv or d
-    flops = attention_flops(b, h, seqlen_q or s, s, d, causal, "fwd" if mode == "fwd" else "bwd",
+    flops = attention_flops(b, h, seqlen_q or s, s, d, causal,
+                            "bwd" if mode in ("bwd", "bwd_det") else "fwd",
                             dv=dv, window_left=window_left, documents=documents or 1)
     result = {"ms": ms, "tflops": flops / ms / 1e9}
     if kernels:
@@ -209,8 +244,9 @@ def main():
                     or args.documents or args.seqlen_q or args.batch or args.hdim_v
                     or args.page_size or args.flush_l2 or args.dtype != "bfloat16")
     anchors = load_anchors() if standard else {}
-    anchor_is_peer = "H100" in device
+    anchor_is_peer = device == ANCHOR_DEVICE
     module = _registry.module_md5()  # which build: the native module's md5
+    stack = provenance(args.iterations)
     method, timer = make_timer(cold=args.flush_l2)
     if args.kernels and method != "cupti":
         ap.error("--kernels needs CUPTI timing, which is unavailable here")
@@ -239,7 +275,7 @@ def main():
                     h_kv = args.heads_kv or h
                     if h % h_kv:
                         ap.error(f"--heads-kv {h_kv} must divide the {h} query heads")
-                    fwd, rows = {}, {}
+                    fwd, train, rows = {}, {}, {}
                     for mode in passes:
                         row = rows[mode] = {}
                         for be in backends:
@@ -247,7 +283,7 @@ def main():
                                 continue
                             dt = "float8_e4m3fn" if be in FP8 else args.dtype
                             rec = dict(backend=be, dtype=dt, b=b, s=s, h=h, d=d, date=today,
-                                       module=module,
+                                       module=module, **stack,
                                        **({"kv_dtype": "float8_e4m3fn"} if be in KV_FP8
                                           else {}),
                                        causal=causal, mode=mode, timing=method, device=device,
@@ -261,14 +297,20 @@ def main():
                                        **({"page_size": args.page_size}
                                           if args.page_size and be in PAGED else {}),
                                        **({"dv": args.hdim_v} if args.hdim_v else {}))
+                            cell = (b, s, h, d, causal, dtype)
+                            features = (h_kv, args.window, args.softcap, args.documents,
+                                        args.seqlen_q, args.hdim_v, args.page_size)
                             try:
                                 if mode != "fwd" and be not in fwd:
                                     raise RuntimeError("no forward time to subtract")
-                                rec.update(measure(timer, be, b, s, h, d, causal, dtype,
-                                                   args.iterations, mode, fwd.get(be), h_kv,
-                                                   args.window, args.softcap, args.documents,
-                                                   args.seqlen_q, args.hdim_v,
-                                                   args.page_size, args.kernels))
+                                if mode != "fwd" and be not in train:
+                                    # the vjp's own forward, once for both backwards
+                                    train[be] = measure(timer, be, *cell, args.iterations,
+                                                        "fwd_train", None, *features)["ms"]
+                                rec.update(measure(timer, be, *cell, args.iterations, mode,
+                                                   train.get(be), *features, args.kernels))
+                                if mode != "fwd":
+                                    rec["fwd_train_ms"] = train[be]
                                 row[be] = rec
                                 if mode == "fwd":
                                     fwd[be] = rec["ms"]

@@ -81,3 +81,16 @@ def test_printed_source_lines(ncu, capsys):
     assert "(long_sb 75%)" in top[1]
     # then the next kernel, which has no samples
     assert lines[6:] == ["", "kernel_kernelssm90bwdBwdSm90: no warp samples"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    # cuDNN has no deterministic backward: the child had raised a TypeError under ncu
+    (["--pass", "bwd_det"], "--pass bwd_det takes the backends with a deterministic"),
+    (["--backends", "jax_fa4,flash"], "unknown backends flash"),
+])
+def test_bad_arguments_stop_before_ncu(ncu, monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["bench.ncu", "--hdim", "128", "--seqlen", "2048",
+                                     "--causal", "false", *argv])
+    with pytest.raises(SystemExit):
+        ncu.main()
+    assert message in capsys.readouterr().err

@@ -61,6 +61,21 @@ def test_tables_show_each_backend_and_bold_only_a_5_percent_lead(plot):
     assert "| 128 | 630 / 600 / 500 (**1.05**) |" in text
     assert "| 128 | 500 / 450 / 480 / - (1.04) |" in text  # no FA4 cell: its column says -
     assert "| 128 causal | - / - / - (-) |" in text
+    # A lead that rounds to 1.05 without reaching it had been bold.
+    cells[("jax_fa4", "fwd", 128, False, 2048)] = (628.0, "")
+    assert "| 128 | 628 / 600 / 500 (1.047) |" in plot.tables(cells)
+
+
+def test_a_cell_the_latest_run_failed_keeps_no_older_value(plot, tmp_path):
+    older, newer = tmp_path / "2026-11-22-h100.jsonl", tmp_path / "2026-11-24-h100.jsonl"
+    older.write_text("\n".join([_line(tflops=500.0), _line(causal=True, tflops=400.0)]))
+    newer.write_text("\n".join([
+        json.dumps({**json.loads(_line(mode="error")), "failed_mode": "fwd",
+                    "err": "RuntimeError()"}),
+        _line(causal=True, tflops=900.0, timing="wall"),  # not GPU time: left out
+    ]))
+    assert plot.standard_cells([older, newer]) == {
+        ("jax_fa4", "fwd", 128, True, 2048): (400.0, "2026-11-24")}
 
 
 def test_fp8_table_holds_e4m3_against_the_faster_bf16(plot, tmp_path):
