@@ -94,8 +94,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         with atomic adds, fast, but the summation order and so the last bits of dq can
         change from run to run; True accumulates in a fixed order, bitwise reproducible
         and somewhat slower. The forward and the reference are deterministic either way.
-    Segment ids, lengths and sinks are runtime arrays (traced); all other arguments are
-    static. Segment ids may hold any int32 values (only equality matters).
+    Segment ids, lengths, sinks and descales are runtime arrays (traced); all other
+    arguments are static. Segment ids may hold any int32 values (only equality matters).
 
     implementation: None picks the kernel where it runs (Hopper GPU, supported
         configuration; decided per platform at lowering, so the same jitted function
@@ -103,11 +103,12 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, return_lse=False,
         kernel cannot run (another GPU, a configuration without a kernel) it runs cuDNN
         through jax.nn.dot_product_attention when that computes the same call, else the
         reference, and warns once with the reason (`supports` says which beforehand). A
-        native module that fails to import on a GPU machine raises RuntimeError with the
-        cause, unless JAX_FA4_ALLOW_NO_NATIVE=1 (then it warns and falls back). "cute"
+        native module that fails to import beside a Hopper GPU raises RuntimeError with
+        the cause, unless JAX_FA4_ALLOW_NO_NATIVE=1 (then it warns and falls back). "cute"
         forces the kernel and raises NotImplementedError with the reason when it cannot
-        run here (every feature above runs in the kernels; sinks are applied to the
-        kernels' out and lse); "reference" forces the reference.
+        run here, its gradient too where no backward kernel was built (every feature
+        above runs in the kernels; sinks are applied to the kernels' out and lse);
+        "reference" forces the reference.
 
     Differentiable in reverse mode, and the cotangent of a returned lse flows into dq, dk,
     dv (and dsinks). Where the forward runs the kernel, so does the backward kernel

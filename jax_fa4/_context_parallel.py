@@ -33,9 +33,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, window=None, q_segment_i
                    return_lse=False, implementation=None, deterministic=False):
     """Attention of sequences sharded along `axis_name`; call inside `shard_map`.
 
-    q (B, Sq_local, H, D), k/v (B, Sk_local, Hkv, D): this device's chunks, as laid out by
-    `layout` ("contiguous": device r holds the r-th chunk; "zigzag": chunks r and
-    2n-1-r, see `zigzag`). Returns this device's out (B, Sq_local, H, Dv), plus lse
+    q (B, Sq_local, H, D), k (B, Sk_local, Hkv, D), v (B, Sk_local, Hkv, Dv): this
+    device's chunks, as laid out by `layout` ("contiguous": device r holds the r-th
+    chunk; "zigzag": chunks r and 2n-1-r, see `zigzag`). Returns this device's out (B, Sq_local, H, Dv), plus lse
     (B, H, Sq_local) fp32 when `return_lse`.
 
     causal and window=(left, right) act on global positions (self-attention: query and

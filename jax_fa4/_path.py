@@ -81,8 +81,8 @@ def decide(spec: AttentionSpec, sizes: tuple) -> tuple[str, str, str]:
     """(path, why not the kernel, why not cuDNN) of implementation=None, with no side
     effect (`supports` asks it too): "platform" where the kernels take the call and
     every GPU here is a Hopper, else "reference" without a GPU, else cuDNN or the
-    reference (`fallback`). Raises RuntimeError on a GPU machine whose native module
-    failed to import, unless that is allowed."""
+    reference (`fallback`). Raises RuntimeError beside a Hopper GPU where the native
+    module failed to import, unless that is allowed."""
     ok, reason = kernel_support(spec, sizes)
     if ok and not non_hopper_gpus():
         return "platform", "", ""

@@ -4,7 +4,7 @@ The module holds the XLA FFI handlers (as capsules) and the manifest of the kern
 was built with. A source checkout without `pip install .` has no module, and a built one
 can fail to load (a missing library, another platform): everything else in jax_fa4
 still works, and `native_reason` says which and why (`_path` refuses to run without it
-on a GPU machine unless allowed).
+beside a Hopper GPU unless allowed).
 """
 
 from __future__ import annotations

@@ -95,6 +95,12 @@ def _bwd(spec, residuals, cotangents):
     # array of zeros when lse is not an output (or not used), as the kernel needs.
     dout, dlse = cotangents
     if _kernel_select.bwd_kernel(spec) is None:
+        if spec.path == "cute":  # forced kernels: none differentiates this call
+            raise NotImplementedError(
+                "jax_fa4.attention(implementation='cute'): no backward kernel was built "
+                f"for this call's forward kernel {_kernel_select.fwd_kernel(spec)['name']} "
+                "(a module built with fewer kernels); implementation=None differentiates "
+                "it with the reference")
         # XLA partitions the pure-JAX backward itself (per batch and head, no collectives).
         grads = _reference_backward(spec, q, k, v, out, dout, lse, dlse, *segments)
     elif segments:

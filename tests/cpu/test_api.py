@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import jax_fa4
-from jax_fa4 import _registry
+from jax_fa4 import _api, _kernel_select, _registry
 from jax_fa4._reference import reference_attention
 
 TOL = dict(atol=2e-5, rtol=2e-5)
@@ -77,13 +77,17 @@ def test_platform_path_grads_equal_reference_grads(built, causal):
                                    atol=1e-2, rtol=1e-2)
 
 
-@pytest.mark.parametrize("d,dv", [(80, 80), (192, 128)])
-def test_zero_padded_head_dims_equal_the_reference(built, d, dv):
+@pytest.mark.parametrize("d,dv,kernel", [(80, 80, (96, 96)), (160, 96, (192, 128))])
+def test_zero_padded_head_dims_equal_the_reference(built, d, dv, kernel):
     # Head dims without their own kernel run a larger one on zero-padded q, k, v (here
     # the platform path, the reference standing in for the kernel): out, lse and the
-    # gradients equal the unpadded reference's, and keep D and Dv.
+    # gradients equal the unpadded reference's, and keep D and Dv. (D 192 / Dv 128 had
+    # been a case: it has kernels of its own, so nothing was padded.)
     q, k, _ = _inputs(2, 11, 7, 2, d, jnp.bfloat16)
     v = jax.random.normal(jax.random.key(3), (2, 7, 2, dv), jnp.float32).astype(jnp.bfloat16)
+    spec = _api._plan(q, k, v, causal=True, softmax_scale=None, return_lse=True,
+                      implementation=None)
+    assert _kernel_select.kernel_head_dims(spec) == kernel
     kw = jax.random.normal(jax.random.key(1), (2, 11, 2, dv))
     kl = jax.random.normal(jax.random.key(2), (2, 2, 11))
     results = {}

@@ -166,10 +166,13 @@ def test_no_gpu_runs_the_reference_silently(built, monkeypatch):
 
 def test_cudnn_path_is_per_platform(built, monkeypatch):
     # jax.nn's cuDNN path cannot be traced without cuDNN; its XLA implementation stands
-    # in to show which branch each platform lowers.
+    # in, marked by an optimization barrier (which no other path has), to show which
+    # branch each platform lowers. (dot_general alone, which the reference has too,
+    # had passed with the reference in the CUDA branch.)
     monkeypatch.setattr(_path, "gpu_devices", lambda: (A100,))
-    monkeypatch.setattr(_fallback, "through_jax_nn", functools.partial(
-        _fallback.through_jax_nn, implementation="xla"))
+    through = functools.partial(_fallback.through_jax_nn, implementation="xla")
+    monkeypatch.setattr(_fallback, "through_jax_nn", lambda *a, **kw: jax.lax.
+                        optimization_barrier(through(*a, **kw)))
     q = jax.random.normal(jax.random.key(0), (2, 16, 4, 64), jnp.bfloat16)
     k = jax.random.normal(jax.random.key(1), (2, 16, 2, 64), jnp.bfloat16)
     attn = jax.jit(functools.partial(jax_fa4.attention, causal=True))
@@ -177,8 +180,11 @@ def test_cudnn_path_is_per_platform(built, monkeypatch):
         out = attn(q, k, k)
     expected = jax_fa4.attention(q, k, k, causal=True, implementation="reference")
     np.testing.assert_array_equal(out, expected)
-    cuda = attn.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
-    assert "jax_fa4_fwd" not in cuda and "dot_general" in cuda
+    lowered = {platform: attn.trace(q, k, k).lower(lowering_platforms=(platform,)).as_text()
+               for platform in ("cuda", "cpu")}
+    assert "jax_fa4_fwd" not in lowered["cuda"]
+    assert "optimization_barrier" in lowered["cuda"]
+    assert "optimization_barrier" not in lowered["cpu"]
 
 
 @pytest.mark.parametrize("residual", [False, True])

@@ -182,6 +182,18 @@ def test_grad_without_a_backward_kernel_uses_the_reference(built, monkeypatch):
     assert bwd_calls(grad, q, q, q) == []
 
 
+def test_forced_kernels_refuse_a_grad_without_a_backward_kernel(built, monkeypatch):
+    # implementation="cute" had differentiated with the reference unseen, so GPU tests of
+    # the backward kernels could pass without running one.
+    forward_only = tuple(e for e in _registry._MANIFEST if e["kind"] == "fwd")
+    monkeypatch.setattr(_registry, "_MANIFEST", forward_only)
+    monkeypatch.setattr(_path, "gpu_devices", lambda: (FakeGpu("9.0"),))
+    q = sds(2, 17, 4, 128)
+    grad = grad_of_sum(functools.partial(jax_fa4.attention, implementation="cute"))
+    with pytest.raises(NotImplementedError, match="no backward kernel was built"):
+        jax.jit(grad).trace(q, q, q)
+
+
 def test_vmap_of_grad_folds_into_the_batch(built):
     stacked, kv = sds(3, 2, 17, 4, 64), sds(3, 2, 80, 4, 64)
     grad = grad_of_sum(functools.partial(jax_fa4.attention, causal=True))
