@@ -181,9 +181,14 @@ def test_kv_float8_paged_lowers_for_cuda_and_appends(built):
                                        k_descale=KD, v_descale=VD)
 
     fn = jax.jit(call)
-    (kernel,) = _fwd_calls(fn.trace(q, k_cache, v_cache, k_new, v_new).lower(
-        lowering_platforms=("cuda",)).as_text())
+    text = fn.trace(q, k_cache, v_cache, k_new, v_new).lower(
+        lowering_platforms=("cuda",)).as_text()
+    (kernel,) = _fwd_calls(text)
     assert "kv_float8 = true" in kernel and f"tensor<3x{HKV}xf32>" in kernel
+    # The paged kernel itself: the table reaches it and nothing gathers or scatters the
+    # pages (the dense float8-KV kernel on gathered pages had passed the checks above).
+    assert "tensor<2x15xi32>" in kernel
+    assert "gather" not in text and "scatter" not in text
     out, k_after, v_after = fn(q, k_cache, v_cache, k_new, v_new)
     k_want = _paged.append(k_cache, k_new, table, lengths)
     v_want = _paged.append(v_cache, v_new, table, lengths)

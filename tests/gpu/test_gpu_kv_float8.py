@@ -46,9 +46,15 @@ def _inputs(seed, batch, sq, sk, hq, hkv, d):
     return q, k, v
 
 
-def _runs_kernel(fn, *args):
+def _runs_kernel(fn, *args, page_table=None):
+    """fn's lowering calls a float8-KV kernel; with `page_table`, the paged one: the
+    table reaches the call and no gather or scatter moves the pages."""
     text = fn.lower(*args).as_text()
     assert "jax_fa4_fwd" in text and "kv_float8 = true" in text, "no float8-KV kernel call"
+    if page_table is not None:
+        table = "x".join(map(str, page_table.shape))
+        assert f"tensor<{table}xi32>" in text, "the page table does not reach the kernel"
+        assert "gather" not in text and "scatter" not in text, "the pages were gathered"
 
 
 CASES = [
@@ -191,7 +197,7 @@ def test_kv_float8_paged(fa, page_size, d):
                                        return_lse=True)
 
     fn = jax.jit(call)
-    _runs_kernel(fn, q, k_cache, v_cache, k_new, v_new)
+    _runs_kernel(fn, q, k_cache, v_cache, k_new, v_new, page_table=table)
     out, lse, k_after, v_after = fn(q, k_cache, v_cache, k_new, v_new)
     k_want = _paged.append(k_cache, k_new, table, lengths)
     v_want = _paged.append(v_cache, v_new, table, lengths)

@@ -40,9 +40,12 @@ def _check(fa, what, q, k_cache, v_cache, table, lengths, **options):
                                    "softmax_scale": None,
                                    **{n: x for n, x in options.items() if n != "sinks"}}
                                ) is not None, f"{what}: not the paged kernel"
-    out, lse = jax.jit(lambda *a: jax_fa4.paged_attention(*a, return_lse=True,
-                                                          **options))(
-        q, k_cache, v_cache, table, lengths)
+    paged = jax.jit(lambda *a: jax_fa4.paged_attention(*a, return_lse=True, **options))
+    # What the call lowers to (not only what a "cute" probe plans): the paged kernel,
+    # with nothing gathering the pages, else the comparison below would hold trivially.
+    text = paged.lower(q, k_cache, v_cache, table, lengths).as_text()
+    assert "jax_fa4_fwd" in text and "gather" not in text, f"{what}: pages gathered"
+    out, lse = paged(q, k_cache, v_cache, table, lengths)
     k, v = _paged.gather(k_cache, table), _paged.gather(v_cache, table)
     want, want_lse = jax.jit(lambda q, k, v, n: jax_fa4.attention(
         q, k, v, kv_lengths=n, return_lse=True, **{"causal": True, **options}))(
