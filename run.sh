@@ -8,6 +8,8 @@
 #   bash run.sh test    runs the test suite (GPU tests skip without a Hopper GPU; extra
 #                       arguments go to pytest instead of "tests")
 #   bash run.sh wheel   builds the portable wheel into dist/ (abi3, manylinux by auditwheel)
+# VENV=DIR sets up DIR instead of .venv; PYTHON=... is the interpreter of a new one
+# (default: the first Python >= 3.12 found).
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${VENV:-.venv}
@@ -74,7 +76,7 @@ setup() {
 }
 
 usage() {
-  sed -n '2,10p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
   echo "Set REBUILD=1 to build again though the source is unchanged."
 }
 

@@ -15,7 +15,9 @@
 #   `flash_attn.cute` imports (../shared/anchors/README.md installs it), else skipped
 #   with a note.
 #
-# Writes $OUT/matrix/<part>.jsonl and .txt (the printed table), then every line in
+# GPUS=N uses the first N GPUs (default: every one nvidia-smi lists).
+# Writes $OUT/matrix/<part>.jsonl and .txt (the printed table; OUT defaults to
+# build/matrix-out), then every line in
 # $OUT/<date>-<gpu>.jsonl (gpu: h100, h200, ... from the device name), the file to
 # commit as bench/results/<date>-h100.jsonl; `python -m bench.plot --tables` then
 # prints README's tables.

@@ -59,7 +59,8 @@ class MultiheadAttention(eqx.nn.MultiheadAttention):
         if key_.shape[0] != value.shape[0]:
             raise ValueError("key and value must both be sequences of equal length; got "
                              f"{key_.shape[0]} and {value.shape[0]}")
-        scores = (query.shape[0], key_.shape[0])  # Equinox's mask: (q_len, kv_len)
+        # Equinox's mask: (q_len, kv_len) or per head, (num_heads, q_len, kv_len)
+        scores = (self.num_heads, query.shape[0], key_.shape[0])
         causal = self.causal or _adapters.mask_kind(mask, scores) == "causal"
 
         q = self._project(self.query_proj, query)

@@ -64,8 +64,11 @@ def pytest_collection_modifyitems(config, items):
     if backend != "gpu" and os.environ.get("JAX_FA4_REQUIRE_GPU") == "1":
         raise pytest.UsageError(f"JAX_FA4_REQUIRE_GPU=1 but jax.default_backend() is "
                                 f"{backend!r}")
-    timeout = config.pluginmanager.hasplugin("timeout")
-    if timeout is False and backend == "gpu" and not os.environ.get("JAX_FA4_NO_TIMEOUT"):
+    # JAX_FA4_NO_TIMEOUT=1: no limit (a debugger, a long sanitizer run), with the
+    # plugin or without it.
+    no_limit = os.environ.get("JAX_FA4_NO_TIMEOUT") == "1"
+    timeout = config.pluginmanager.hasplugin("timeout") and not no_limit
+    if not timeout and not no_limit and backend == "gpu":
         raise pytest.UsageError("the GPU tests need pytest-timeout (pip install "
                                 "pytest-timeout, or set JAX_FA4_NO_TIMEOUT=1)")
     for item in items:

@@ -119,6 +119,15 @@ def test_equinox_matches_default_attention(causal):
         np.testing.assert_array_equal(a, b)
 
 
+def test_equinox_reads_a_per_head_mask():
+    # Equinox takes (num_heads, q_len, kv_len) masks too; the adapter had refused them
+    # as not broadcasting to (q_len, kv_len).
+    mha, ours = eqx_default_and_ours(False)
+    x = x_input()[0]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (HEADS, S, S))
+    close(ours(x, x, x, mask=mask), mha(x, x, x, mask=mask))
+
+
 def test_equinox_gradients_match():
     mha, ours = eqx_default_and_ours(True)
     x = x_input()
