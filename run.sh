@@ -31,6 +31,10 @@ make_venv() {
   if [ ! -x "$VENV/bin/python" ]; then
     "$(find_python)" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q --upgrade pip
+  elif ! "$VENV/bin/python" -c 'import sys; sys.exit(sys.version_info < (3, 12))'; then
+    echo "run.sh: $VENV has Python $("$VENV/bin/python" -V 2>&1 | cut -d' ' -f2), jax_fa4" \
+         "needs >= 3.12: remove it (or set VENV=another folder)" >&2
+    return 1
   fi
 }
 
@@ -60,7 +64,7 @@ source_hash() {
 }
 
 setup() {
-  make_venv
+  make_venv || return 1  # called in `setup && ...`, where set -e does not stop it
   local extras=test stamp=$VENV/.jax_fa4-build built
   # With an NVIDIA driver, jax's CUDA plugin too: plain jax sees only the CPU.
   if [ -e /proc/driver/nvidia/version ]; then extras=test,cuda; fi
@@ -71,7 +75,7 @@ setup() {
   fi
   echo "building jax_fa4 (kernel export + native module); log: build/install.log"
   rm -f "$stamp"
-  logged_pip install install -v ".[$extras]"
+  logged_pip install install -v ".[$extras]" || return 1
   echo "$built" > "$stamp"
 }
 
