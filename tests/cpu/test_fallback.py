@@ -303,9 +303,10 @@ def test_the_jax_nn_mapping_equals_the_reference(sq, sk, kwargs):
     np.testing.assert_allclose(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_driver_without_a_jax_gpu_backend_warns(tmp_path, monkeypatch):
+def test_a_driver_without_a_jax_gpu_backend_warns(built, tmp_path, monkeypatch):
     """A jax without its CUDA plugin on a GPU machine had run every call on the CPU's
-    reference without a word (only supports() said why)."""
+    reference without a word (only supports() said why). (With the kernels built:
+    without them, supports() names that first.)"""
     driver = tmp_path / "version"
     driver.write_text("NVRM version: 580")
     monkeypatch.setattr(_path, "NVIDIA_DRIVER", str(driver))
