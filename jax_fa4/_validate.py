@@ -199,7 +199,10 @@ def _static_number(name: str, value) -> float:
         raise ValueError(f"{name} must be finite; got {number}")
     # Every path computes with it in float32: past its range it would be inf, and a
     # subnormal (or 0 for a nonzero number) would blow up a division or drop out.
-    if number and not np.finfo(np.float32).tiny <= abs(number) <= np.finfo(np.float32).max:
+    # (Compared as Python floats: against float32 scalars, numpy would cast the number
+    # to float32 first, with an overflow warning.)
+    limits = np.finfo(np.float32)
+    if number and not float(limits.tiny) <= abs(number) <= float(limits.max):
         raise ValueError(f"{name} must be a normal float32 (the kernels and the "
                          f"reference take it in float32); got {number}")
     return number
