@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_fa4 import (_api, _fallback, _ffi_calls, _float8, _forward_only, _kernel_select,
-                     _kv_float8, _pack_gqa, _path, _segment_plan, _validate)
+                     _kv_float8, _pack_gqa, _path, _segment_plan, _sharding, _validate)
 
 # Keys per TMA copy of the paged kernels (kernels/sm90/paged.py PAGE_ROWS, ffi kPageRows):
 # the page sizes they take are multiples of it.
@@ -189,10 +189,10 @@ def _batched(spec, present: tuple):
         values, batched = named(operands), named(in_batched)
         q = values["q"]
         batch, seqlen_q, heads = q.shape[1:4] if batched["q"] else q.shape[:3]
+        # the limit of one call as vmap over attention folds it (_sharding)
         folds = (axis_size > 0 and values["k_new"] is None
                  and not any(batched[n] for n in _OPERANDS if n not in _PER_SEQUENCE)
-                 and axis_size * batch <= (_kernel_select.batch_limit(
-                     spec, seqlen_q, heads) or 0))
+                 and _sharding.fold_group(spec, axis_size, batch, seqlen_q, heads) is None)
         if folds:
             def fold(name):
                 x = values[name]

@@ -185,7 +185,7 @@ def _fold_leading(spec, call, signature: Signature, lead: int, operands):
         return call(*operands)
     outer, batch = operands[0].shape[:lead], operands[0].shape[lead]
     elements = math.prod(outer)
-    group = _group_size(spec, elements, batch, *operands[0].shape[lead + 1:lead + 3])
+    group = fold_group(spec, elements, batch, *operands[0].shape[lead + 1:lead + 3])
     groups = 1 if group is None else elements // group
     merged = elements * batch if group is None else group * batch
     # Shapes written out: a size of 0 leaves no -1 to infer.
@@ -205,7 +205,7 @@ def _fold_leading(spec, call, signature: Signature, lead: int, operands):
     return tuple(r.reshape(*outer, batch, *r.shape[2:]) for r in results)
 
 
-def _group_size(spec, elements, batch, seqlen_q, heads) -> int | None:
+def fold_group(spec, elements, batch, seqlen_q, heads) -> int | None:
     """How many vmapped elements one kernel call takes: None for all of them, else the
     most that divide them and keep the batch within _kernel_select.batch_limit (each
     element's own batch passed the per-call checks)."""
