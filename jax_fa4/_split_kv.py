@@ -74,12 +74,16 @@ def num_splits(ctas: int, key_blocks: int, sm_count: int) -> int:
     """The split count of a forward whose grid has `ctas` CTAs (query tiles x heads x
     batch), each over at most `key_blocks` key blocks, on `sm_count` slots (`slots`):
     1 when the grid fills the GPU; else as many as keep all CTAs in one wave, each
-    split at least MIN_BLOCKS_PER_SPLIT blocks. Fixed per shape, so jit and CUDA graphs
-    stay valid."""
+    split at least MIN_BLOCKS_PER_SPLIT blocks and none of them empty. Fixed per shape,
+    so jit and CUDA graphs stay valid."""
     if ctas <= 0 or ctas >= FILL * sm_count:
         return 1
-    splits = min(sm_count // ctas, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS)
-    return max(splits, 1)
+    splits = max(min(sm_count // ctas, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS), 1)
+    # Splits walk ceil(key_blocks / splits) blocks each (band.split_visits): fewer of
+    # them cover the same runs where that leaves the last ones empty (9 blocks in 4
+    # splits of 3), an idle CTA and a partial the combine reads for nothing.
+    per = -(-key_blocks // splits)
+    return -(-key_blocks // per)
 
 
 def out_view_fits(batch: int, heads: int, seqlen_q: int, head_dim_v: int) -> bool:

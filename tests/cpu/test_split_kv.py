@@ -3,6 +3,7 @@ HLO lowered for CUDA. The kernels (split and combine) are checked on the GPU
 (tests/gpu/test_gpu_split_kv.py)."""
 
 import functools
+import itertools
 import re
 
 import jax
@@ -28,9 +29,21 @@ BWD = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?\{(.*?)\}", re.MULTIL
     (132, 64, 132, 1),
     (1, 4096, 132, 128),   # capped at MAX_SPLITS
     (0, 64, 132, 1),
+    (8, 100, 132, 15),     # 16 runs of 7 would leave the 16th empty
+    (33, 9, 132, 3),       # 4 runs of 3 would too
 ])
 def test_num_splits(ctas, blocks, sms, expected):
     assert _split_kv.num_splits(ctas, blocks, sms) == expected
+
+
+def test_no_split_is_empty():
+    """Every split walks at least one block of the longest tile (band.split_visits)."""
+    from kernels import band
+    for blocks, ctas in itertools.product(range(1, 300), (1, 3, 8, 33, 100)):
+        splits = _split_kv.num_splits(ctas, blocks, 132)
+        runs = [band.split_visits(blocks, s, splits) for s in range(splits)]
+        assert all(first < end for first, end in runs), (ctas, splits, runs)
+        assert runs[-1][1] == blocks
 
 
 def sds(*shape, dtype=jnp.bfloat16):
