@@ -64,6 +64,8 @@ def paged_attention(q, k_cache, v_cache, page_table, kv_lengths, *, k_new=None, 
     its key blocks first to last (the new rows' last, so that their write is done before
     they load) where a call without them goes last to first: its out and lse equal
     those of scattering first and then attending up to float rounding, not bit for bit.
+    Under jax.vmap, each element's rows are scattered into its own copy of the caches
+    first and the kernel attends without them.
 
     Float8 caches: k_cache and v_cache (and k_new, v_new) in float8_e4m3fn with a
     bfloat16 q stand for k_cache * k_descale and v_cache * v_descale, each descale None
@@ -159,6 +161,7 @@ _OPERANDS = ("q", "k_cache", "v_cache", "page_table", "kv_lengths", "sinks", "k_
              "v_new", "table")
 # Operands a vmapped call may fold into the batch; the others stay shared by its elements.
 _PER_SEQUENCE = ("q", "page_table", "kv_lengths")
+_NEW = ("k_new", "v_new")
 
 
 def _in_place(spec, *operands):
@@ -175,7 +178,11 @@ def _batched(spec, present: tuple):
     appended (the serving case: one cache, many sequences), up to what one kernel call
     takes (_kernel_select.batch_limit); otherwise (caches per element, or appended rows,
     whose updated caches are per element) it runs one call per element in a `lax.map`.
-    Without the rule, the FFI call would get 5-D caches."""
+    There appended rows are scattered into the element's caches (`append`) before a
+    call without them: in place, the call's cache results must alias its cache
+    operands, which XLA did not keep for a cache the loop closes over (H100,
+    2026-12-05: the handler refused the call). Without the rule, the FFI call would
+    get 5-D caches."""
     def named(values):
         it = iter(values)
         return {name: next(it) if p else None for name, p in zip(_OPERANDS, present)}
@@ -205,15 +212,29 @@ def _batched(spec, present: tuple):
             results = tuple(r.reshape(axis_size, batch, *r.shape[1:]) for r in results)
         else:
             mapped = [n for n in _OPERANDS if batched[n]]
+            appends = values["k_new"] is not None
+            attend = _batched(spec, tuple(values[n] is not None and n not in _NEW
+                                          for n in _OPERANDS)) if appends else call
 
             def one(xs):
                 element = {**values, **dict(zip(mapped, xs))}
-                return call(*(element[n] for n in _OPERANDS if element[n] is not None))
+                if appends:
+                    element = _scattered(element)
+                results = attend(*(element[n] for n in _OPERANDS if element[n] is not None))
+                return (*results, element["k_cache"], element["v_cache"]) if appends else results
 
             results = tuple(jax.lax.map(one, [values[n] for n in mapped]))
         return results, tuple(True for _ in results)
 
     return call
+
+
+def _scattered(values):
+    """`_OPERANDS` values with k_new and v_new written into their caches (`append`) and
+    dropped."""
+    caches = {c: append(values[c], values[n], values["page_table"], values["kv_lengths"])
+              for c, n in (("k_cache", "k_new"), ("v_cache", "v_new"))}
+    return {**values, **caches, "k_new": None, "v_new": None}
 
 
 def _kernel(spec, q, k_cache, v_cache, page_table, kv_lengths, sinks, k_new, v_new, table):

@@ -6,6 +6,7 @@ out of range; a changing page table and lengths under jit (replayed in a CUDA gr
 test_gpu_command_buffer.py); and the one warning of the calls that gather the pages
 instead."""
 
+import functools
 import warnings
 
 import jax
@@ -238,11 +239,13 @@ def test_appending_in_a_decode_loop(fa):
 
 
 @pytest.mark.parametrize("shared_cache,appends", [(True, False), (False, False),
-                                                  (True, True)])
+                                                  (True, True), (False, True)])
 def test_vmap(shared_cache, appends):
     """vmap over 3 elements, each of batch 2: sharing one cache, folded into one call of
     batch 6; a cache per element, or appended rows, one call each (lax.map). Each
-    element bit for bit the call alone (the same spec: splits per element's shape)."""
+    element bit for bit the call alone (the same spec: splits per element's shape);
+    with appended rows, the call alone on its caches with the rows scattered first
+    (`_paged.append`), which the vmapped call returns as its caches."""
     n, batch, page_size, max_pages = 3, 2, 64, 16
     q, k_cache, v_cache, table, k_new, v_new = _appending(21, n * batch, page_size,
                                                           max_pages, 1, D)
@@ -260,7 +263,14 @@ def test_vmap(shared_cache, appends):
         per(q), *caches, per(table), per(lengths), per(k_new), per(v_new))
     for i in range(n):
         kc, vc = caches if shared_cache else (c[i] for c in caches)
-        want = jax.jit(step)(per(q)[i], kc, vc, per(table)[i], per(lengths)[i],
-                             per(k_new)[i], per(v_new)[i])
+        t, n_i = per(table)[i], per(lengths)[i]
+        appended = ()
+        if appends:
+            kc = _paged.append(kc, per(k_new)[i], t, n_i)
+            vc = _paged.append(vc, per(v_new)[i], t, n_i)
+            appended = (kc, vc)
+        want = (*jax.jit(functools.partial(jax_fa4.paged_attention, return_lse=True))(
+            per(q)[i], kc, vc, t, n_i), *appended)
+        assert len(got) == len(want)
         for g, w in zip(got, want):
             assert np.array_equal(np.asarray(g[i]), np.asarray(w)), i
