@@ -76,7 +76,7 @@ def num_splits(ctas: int, key_blocks: int, sm_count: int) -> int:
     1 when the grid fills the GPU; else as many as keep all CTAs in one wave, each
     split at least MIN_BLOCKS_PER_SPLIT blocks and none of them empty. Fixed per shape,
     so jit and CUDA graphs stay valid."""
-    if ctas <= 0 or ctas >= FILL * sm_count:
+    if ctas <= 0 or key_blocks <= 0 or ctas >= FILL * sm_count:
         return 1
     splits = max(min(sm_count // ctas, key_blocks // MIN_BLOCKS_PER_SPLIT, MAX_SPLITS), 1)
     # Splits walk ceil(key_blocks / splits) blocks each (band.split_visits): fewer of

@@ -29,6 +29,7 @@ BWD = re.compile(r"stablehlo\.custom_call @jax_fa4_bwd\(.*?\{(.*?)\}", re.MULTIL
     (132, 64, 132, 1),
     (1, 4096, 132, 128),   # capped at MAX_SPLITS
     (0, 64, 132, 1),
+    (4, 0, 132, 1),        # no key
     (8, 100, 132, 15),     # 16 runs of 7 would leave the 16th empty
     (33, 9, 132, 3),       # 4 runs of 3 would too
 ])
