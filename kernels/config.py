@@ -567,13 +567,16 @@ class BwdTile:
     def __post_init__(self):
         assert not self.dq_by_rows or (self.m == 64 * self.consumers
                                        and not self.split_head_dim)
-        # A pair's consumer hands step k's dQ sum to its writer warp on the DQ_FULL named
-        # barrier during step k + 1 without waiting (bwd_split._finish_pair); only the
-        # Q ring, whose slots the writer frees, keeps it from arriving twice before the
-        # writer's wait. With two stages the slot it waits for is the writer's last
-        # one; with three it can run a step ahead, the barrier's rounds slip and the
-        # writer waits forever; with one, step 1 waits for a slot only step 1's hand-off
-        # frees (read from the code; D 192 / Dv 128 with three hung, 2026-12-02).
+        # A pair's consumer hands step k's dQ sum to its writer warp on a named barrier
+        # during step k + 1 without waiting (bwd_split._finish_pair), and the last
+        # step's right after it; only the Q ring, whose slots the writer frees, keeps
+        # it from arriving twice on one barrier before the writer's wait there. With
+        # two stages and the two barriers of BwdSm90._dq_full, taken by the step's
+        # parity, every hand-off waits for a slot freed after the writer's wait for
+        # the one before on its barrier; with three, the last hand-off would not, the
+        # barrier's rounds slip and the writer waits forever (with one barrier that
+        # hung D 192 / Dv 128, 2026-12-02); with one stage, step 1 waits for a slot
+        # only step 1's hand-off frees (read from the code).
         assert not self.pair or self.q_stages == 2, "2-CTA pairs need q_stages == 2"
 
     @property

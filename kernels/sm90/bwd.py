@@ -106,12 +106,14 @@ def acc_quads(acc, dq_vals: int):
 
 
 class Barrier(enum.IntEnum):
-    """Named barrier ids (0 is __syncthreads); consumer c uses DQ_EMPTY + c, DQ_FULL + c."""
+    """Named barrier ids (0 is __syncthreads); consumer c uses DQ_EMPTY + c, DQ_FULL + c
+    (and, in 2-CTA pairs, DQ_FULL_ODD + c: BwdSm90._dq_full)."""
 
     DS_READY = 1  # both consumers: dS^T of this query tile is in shared memory
     DQ_EMPTY = 2  # dQ writer -> consumer c: its dQ staging buffer may be overwritten
     DQ_FULL = 4  # consumer c -> dQ writer: its dQ partial is staged
     EPILOGUE = 6  # both consumers, around the dK/dV staging
+    DQ_FULL_ODD = 7  # pairs: DQ_FULL of the odd steps
 
 
 def _seq_major(t: cute.Tensor) -> cute.Tensor:
@@ -712,7 +714,7 @@ class BwdSm90:
             sem_row = mSem[batch, head, None]
             for i in cutlass.range(m_begin, m_end, unroll=1):
                 m = self._q_tile(i, seg)
-                self._dq_barrier(Barrier.DQ_FULL + c).arrive_and_wait()
+                self._dq_full(c, step).arrive_and_wait()
                 if lane == 0:
                     slot = m * self.consumers + c
                     flag = sem_row.iterator + slot
@@ -833,6 +835,19 @@ class BwdSm90:
 
     def _dq_barrier(self, barrier_id):
         return pipeline.NamedBarrier(barrier_id, WARPGROUP + WARP)
+
+    def _dq_full(self, c: Int32, step: Int32):
+        """The barrier on which consumer c hands the dQ partial of walk step `step` to its
+        writer warp. Pairs alternate two by the step's parity: the consumers' last
+        hand-off (bwd_split._finish_walk) waits for no Q slot, so it and the one before
+        may both come before the writer waits for that one (a deterministic writer may
+        still be adding step - 2 or waiting for its turn); on one barrier the
+        second's arrivals would complete the first's round and the writer then waits
+        on a round that never completes."""
+        if self.pair:
+            return self._dq_barrier(
+                Barrier.DQ_FULL + c + (step % 2) * (Barrier.DQ_FULL_ODD - Barrier.DQ_FULL))
+        return self._dq_barrier(Barrier.DQ_FULL + c)
 
     # ------------------------------------------------------------------ consumers
     @cute.jit

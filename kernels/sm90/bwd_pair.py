@@ -22,8 +22,9 @@ two barriers free[c] and full[c]. Per step, for consumer c of each CTA:
        waits in registers (`pending`);
     3. in the next step, once its first GEMM is issued (receive): wait on full[c], add
        the pending half to the received one in place, and hand the sum to consumer c's
-       writer warp, which reduce-adds it to global memory (in the pair's turn, in
-       deterministic mode) and then releases the Q ring slot. Deferring the receive
+       writer warp (on a named barrier of the step's parity, BwdSm90._dq_full), which
+       reduce-adds it to global memory (in the pair's turn, in deterministic mode) and
+       then releases the Q ring slot. Deferring the receive
        hides the exchange's round trip behind that GEMM; the walk's last step is
        received after it. The consumers issue no global adds and never wait for a
        turn: that waiting is the writers'.

@@ -50,7 +50,7 @@ class Barrier(enum.IntEnum):
     DS_READY = 2  # both consumers: P^T and dS^T of this query tile are staged
     # 1-CTA kernels, within consumer c (DQ_TURN + c): deterministic turn taken / adds
     # done (past bwd.Barrier's ids, which pairs use for their writer warps)
-    DQ_TURN = 7
+    DQ_TURN = 9
 
 
 class BwdSm90SplitD(BwdSm90):
@@ -225,7 +225,7 @@ class BwdSm90SplitD(BwdSm90):
         if step > 0:
             bwd_pair.receive(full, tiles.pending, recv, step - 1)
             cute.arch.fence_proxy("async.shared", space="cta")
-            self._dq_barrier(bwd.Barrier.DQ_FULL + c).arrive()
+            self._dq_full(c, step - 1).arrive()
             do_ring.consumer_release(
                 pipeline.PipelineState(self.q_stages, Int32(0), stage, Int32(0)))
 
