@@ -714,17 +714,19 @@ class BwdSm90:
             sem_row = mSem[batch, head, None]
             for i in cutlass.range(m_begin, m_end, unroll=1):
                 m = self._q_tile(i, seg)
+                slot = m * self.consumers + c
+                flag = sem_row.iterator + slot
+                # The turn first, while the consumers still compute the partial: then
+                # the add follows the hand-off at once, not a semaphore read later.
+                if lane == 0 and deterministic != 0:
+                    self._wait_turn(flag, self._dq_turn(m, i, run, walk), adders)
                 self._dq_full(c, step).arrive_and_wait()
                 if lane == 0:
-                    slot = m * self.consumers + c
-                    flag = sem_row.iterator + slot
                     dst = acc_row.iterator + slot * part + first
                     src = staged + c * part
                     stage = step % self.q_stages
                     if cutlass.const_expr(self.pair):
                         src = staged + (stage * self.consumers + c) * added
-                    if deterministic != 0:
-                        self._wait_turn(flag, self._dq_turn(m, i, run, walk), adders)
                     _bulk_reduce_add_f32(dst, src, added * 4)
                     cute.arch.cp_async_bulk_commit_group()
                     if cutlass.const_expr(self.pair):
