@@ -206,6 +206,18 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                                 std::to_string(device) + " (initialize stage did not run)");
   if (ffi::Error error = MakeCurrent(where, device); error.failure()) return error;
 
+  // Deterministic calls without a band may shift their walks (kernels/sm90/bwd.py
+  // _shift: 2), whose turns wait on every key block of a K/V head, not only on the ones
+  // launched before it: only where all of a head's CTAs (a pair kernel's odd block
+  // count rounded up) fit on the GPU at once, which half its SMs leave room for (2-CTA
+  // clusters may not use every SM).
+  int32_t order = 0;
+  if (deterministic) {
+    auto num_sms = SmCount(where, device);
+    if (num_sms.has_error()) return num_sms.error();
+    const int64_t head_ctas = key_blocks + 1;
+    order = !banded && 2 * head_ctas <= int64_t{*num_sms} * p.kernel->ctas_per_sm ? 2 : 1;
+  }
   const Band band = MakeBand(p.seqlen_q, p.seqlen_k, window_left, window_right, top_left);
   BwdArgs args{const_cast<void*>(q.untyped_data()),
                const_cast<void*>(k.untyped_data()),
@@ -231,7 +243,7 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
                static_cast<int32_t>(w.sem),
                softmax_scale * kLog2e,
                softmax_scale,
-               deterministic ? 1 : 0,
+               order,
                band.lo,
                band.hi,
                SoftcapScale(softmax_scale, softcap)};

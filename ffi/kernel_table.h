@@ -116,7 +116,8 @@ struct BwdArgs {
   int32_t sem_len;       // sq_pad / tile_m * consumer warpgroups
   float scale_log2;      // softmax_scale * log2(e)
   float scale;           // softmax_scale
-  int32_t deterministic;  // 1: dq accumulated in a fixed order (bitwise reproducible)
+  int32_t deterministic;  // 1: dq accumulated in a fixed order (bitwise reproducible);
+                          // 2: the same, walks may be shifted (attention_bwd.cc)
   int32_t band_lo;        // as in FwdArgs
   int32_t band_hi;
   float softcap_scale;    // as in FwdArgs

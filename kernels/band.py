@@ -89,3 +89,23 @@ def split_blocks(n_begin, n_end, masked_end, masked_begin, first, end, mn=min, m
     top = mn(top, end - first)
     bottom_from = mx(total - masked_begin, first + top)
     return n_end - end, n_end - first, top, mx(end - bottom_from, 0)
+
+
+def shifted_walk(block, blocks, tiles, allowed, pick=None):
+    """(first, turns) of key block `block`'s walk over the `tiles` query tiles without a
+    band, one of `blocks` blocks: where `allowed` (1 or 0) and there are no more blocks
+    than tiles, block n starts at tile n and wraps around, and its dQ turns are
+    shifted_turn's among `turns` = blocks; else (0, 0), the walk in order. `pick(c, a,
+    b)` is a if c else b (the DSL's select in the kernels)."""
+    pick = pick or (lambda c, a, b: a if c else b)
+    shifted = pick(blocks <= tiles, allowed, 0) != 0
+    return pick(shifted, block, 0), pick(shifted, blocks, 0)
+
+
+def shifted_turn(block, m, blocks, tiles, mn=min, mx=max):
+    """Block `block`'s place among `blocks` key blocks in the order in which they reach
+    query tile m, each block n < blocks <= tiles walking the `tiles` tiles from tile n
+    and wrapping: block n reaches m at its visit d = (m - n) mod tiles, so the blocks
+    before it are n + 1 .. n + d (mod tiles), those of them below `blocks` counted."""
+    d = (m - block + tiles) % tiles
+    return mx(mn(block + d, blocks - 1) - block, 0) + mx(block + d - tiles + 1, 0)

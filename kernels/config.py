@@ -796,6 +796,10 @@ class BwdConfig(_KernelConfig):
     # 0.98-1.00 / 1.02-1.14 / 0.87-0.99, d128 0.99 / 0.94-1.07 / 0.94-0.99: within that
     # call's noise, not kept.
     banded_heads_fastest_blocks = 64
+    # Atomic calls without a band walk their query tiles from tile n too, as
+    # deterministic ones do (BwdSm90._shift), so that the blocks' adds at every step go
+    # to different tiles. Not measured yet.
+    shift_atomic_walks = False
 
     @property
     def pair(self) -> bool:

@@ -39,8 +39,11 @@ mLSE2 and mDsum (B, H, Sq_pad) fp32, mdQaccum (B, H, Sq_pad * D) fp32, mSem
    Deterministic mode: the dQ writer adds its tile only when the tile's semaphore
    equals the key block's place in the tile's order (mask.dq_turn: ascending, or
    descending in banded kernels, with the grid launched in that order; segment variants:
-   the plan's), then increments it: a fixed summation order. Without a band, short
-   calls launch the K/V heads fastest, so that one head's blocks seldom wait.
+   the plan's), then increments it: a fixed summation order. Without a band, where a
+   K/V head's CTAs fit on the GPU together and its key blocks are no more than its
+   query tiles, block n walks the tiles from tile n and the turns follow the walks
+   (band.shifted_turn), so that no block waits on another in the same step; else
+   short calls launch the K/V heads fastest, so that one head's blocks seldom wait.
    Atomic banded calls launch the K/V heads fastest (every head's longest blocks
    first) up to BwdConfig.banded_heads_fastest_blocks, key blocks fastest past it (one
    head's Q and dO stay in L2).
@@ -140,8 +143,10 @@ class Gmem:
 
 class Scalars:
     """The launch's runtime values, the same for every CTA: the softmax scale in base 2
-    (scale_log2) and natural (scale, dK's), deterministic (0 or 1: dQ added in a fixed
-    order), the band [band_lo, band_hi] of mask.py, softcap_scale (softcap.py) and Sk."""
+    (scale_log2) and natural (scale, dK's), deterministic (0: dQ added atomically; 1: in
+    a fixed order; 2: the same, where the FFI found room for all of a K/V head's CTAs
+    at once, so that walks without a band may be shifted: BwdSm90._shift), the band
+    [band_lo, band_hi] of mask.py, softcap_scale (softcap.py) and Sk."""
 
     def __init__(self, scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale,
                  seqlen_k):
@@ -157,14 +162,18 @@ class Walk:
     masked_front and the last masked_back need element masking (mask.q_block_range), or
     in segment variants the visits 0 .. m_end - 1 of its plan; seg, the segment views
     (segments.Views; None in other variants); pair, this CTA's side of its 2-CTA pair
-    (bwd_pair.Pair; None in 1-CTA kernels), whose walk is the pair's common one."""
+    (bwd_pair.Pair; None in 1-CTA kernels), whose walk is the pair's common one; shift,
+    in kernels without a band, (first, blocks): the walk visits tiles first .. m_end - 1,
+    then m_begin .. first - 1, and its dQ turns are band.shifted_turn's among `blocks`
+    key blocks (pairs); blocks is 0 where it walks in order, with ascending turns
+    (BwdSm90._shift)."""
 
     def __init__(self, n_block, kv_head, heads, batch, m_begin, m_end, masked_front,
-                 masked_back, seg, pair):
+                 masked_back, seg, pair, shift=None):
         self.n_block, self.kv_head, self.heads, self.batch = n_block, kv_head, heads, batch
         self.m_begin, self.m_end = m_begin, m_end
         self.masked_front, self.masked_back = masked_front, masked_back
-        self.seg, self.pair = seg, pair
+        self.seg, self.pair, self.shift = seg, pair, shift
 
 
 class Smem:
@@ -221,6 +230,7 @@ class BwdSm90:
         self.det_heads_fastest_blocks = cfg.det_heads_fastest_blocks
         self.det_heads_fastest_pairs = cfg.det_heads_fastest_pairs
         self.banded_heads_fastest_blocks = cfg.banded_heads_fastest_blocks
+        self.shift_atomic_walks = cfg.shift_atomic_walks
         assert self.late_dv or self.tile_m <= 64, "taller tiles issue the dV GEMM late"
         self.dq_vals = self.dq_part // WARPGROUP  # per thread
 
@@ -425,8 +435,8 @@ class BwdSm90:
             # head launch first (with GQA a CTA walks its whole group: few, long CTAs).
             # Deterministic adds keep key blocks fastest (_block_coords): each tile's
             # adders must be in flight together.
-            # deterministic is 0 or 1 (the FFI passes a bool): pick by arithmetic, as
-            # launch dimensions must be integers.
+            # deterministic is 0 or 1 (the FFI passes 2 only without a band): pick by
+            # arithmetic, as launch dimensions must be integers.
             blocks_fastest = 1 - (1 - deterministic) * self._banded_heads_fastest(n_blocks)
             swap = (n_blocks - heads_kv) * blocks_fastest
             grid = (heads_kv + swap, n_blocks - swap, k.shape[3])
@@ -581,8 +591,11 @@ class BwdSm90:
         # GQA/MQA: this CTA's K/V block serves the query heads [head0, head0 + group),
         # visited one after the other, so dK and dV sum over the group in registers.
         group = tma_q.shape[2] // tma_k.shape[2]
+        shift = None
+        if cutlass.const_expr(not self.banded):
+            shift = self._shift(n_block, seqlen_k, m_end, deterministic)
         walk = Walk(n_block, kv_head, (kv_head * group, group), batch, m_begin, m_end,
-                    masked_front, masked_back, seg, pair)
+                    masked_front, masked_back, seg, pair, shift)
         run = Scalars(scale_log2, scale, deterministic, band_lo, band_hi, softcap_scale,
                       seqlen_k)
         smem = Smem(sQ, sdO, sK, sV, sdS, sLSE2, sDsum, kv_full, (q_ring, do_ring))
@@ -650,7 +663,7 @@ class BwdSm90:
             tLsL, tLgL = self._row_partition(tma_atom_lse2, tma_lse2, sLSE2, head, batch)
             tDsD, tDgD = self._row_partition(tma_atom_dsum, tma_dsum, sDsum, head, batch)
             for i in cutlass.range(m_begin, m_end, unroll=1):
-                m = self._q_tile(i, seg)
+                m = self._q_tile(i, walk)
                 q_producer = self._load_tile(
                     q_producer, tma_atom_q, tQgQ[None, m], tQsQ,
                     tma_atom_lse2, tLgL[None, m], tLsL,
@@ -713,7 +726,7 @@ class BwdSm90:
             acc_row = mdQaccum[batch, head, None]
             sem_row = mSem[batch, head, None]
             for i in cutlass.range(m_begin, m_end, unroll=1):
-                m = self._q_tile(i, seg)
+                m = self._q_tile(i, walk)
                 slot = m * self.consumers + c
                 flag = sem_row.iterator + slot
                 # The turn first, while the consumers still compute the partial: then
@@ -765,25 +778,56 @@ class BwdSm90:
         if cutlass.const_expr(self.pair):
             block, n_blocks, keys = block // 2, n_blocks // 2, 2 * keys
         turn = mask.dq_turn(block, m, n_blocks, run.band_hi, self.tile_m, keys, self.banded)
+        if cutlass.const_expr(not self.banded):
+            _, blocks = walk.shift
+            turn = cutlass.select_(
+                blocks > 0, band.shifted_turn(block, m, blocks, walk.m_end, cutlass.min,
+                                              cutlass.max), turn)
         if cutlass.const_expr(self.segments):
             turn = walk.seg.plan_row[1 + walk.seg.q_tiles + i]
         return turn
 
     @cute.jit
-    def _q_tile(self, i: Int32, seg):
-        """The query tile of visit i: tile i itself, or the plan's."""
+    def _q_tile(self, i: Int32, walk: Walk):
+        """The query tile of visit i: tile i itself, the plan's, or in a shifted walk
+        (Walk.shift) tile i + first, wrapped."""
         m = i
         if cutlass.const_expr(self.segments):
-            m, _ = segments.visit(seg.plan_row, i)
+            m, _ = segments.visit(walk.seg.plan_row, i)
+        if cutlass.const_expr(not self.banded):
+            first, _ = walk.shift
+            m = i + first
+            m = cutlass.select_(m >= walk.m_end, m - walk.m_end, m)
         return m
+
+    def _shift(self, n_block: Int32, seqlen_k: Int32, tiles: Int32, deterministic: Int32):
+        """Walk.shift of a kernel without a band. Deterministic calls shift the walks
+        (band.shifted_first_tile) where the key blocks (pairs) are no more than the
+        query tiles: then at every step the blocks add to different tiles, and the
+        turn a block waits for at a tile was taken a visit earlier, not in the same
+        one, so it waits only when the block before it ran a whole step behind
+        (ascending turns over one common order chain every block to the one before it
+        at every tile). A block's turns then wait for blocks launched after it, too: the
+        FFI allows it (deterministic 2) only where all of a K/V head's CTAs fit on the
+        GPU at once, and they launch together (_heads_fastest). Atomic calls walk in
+        order unless BwdConfig.shift_atomic_walks."""
+        blocks, block = cute.ceil_div(seqlen_k, self.tile_n), n_block
+        if cutlass.const_expr(self.pair):
+            blocks, block = (blocks + 1) // 2, n_block // 2
+        allowed = deterministic // 2
+        if cutlass.const_expr(self.shift_atomic_walks):
+            allowed = Int32(1)
+        return band.shifted_walk(block, blocks, tiles, allowed, cutlass.select_)
 
     def _heads_fastest(self, n_blocks: Int32, deterministic: Int32) -> Int32:
         """1 where a deterministic call without a band, whose tiles see `n_blocks` key
         blocks (pairs, in 2-CTA kernels), launches its K/V heads fastest
         (BwdConfig.det_heads_fastest_blocks and _pairs), else 0: the blocks of one head then
-        start far apart and seldom wait for each other's turns."""
+        start far apart and seldom wait for each other's turns. Not with shifted walks
+        (deterministic 2), whose turns need a head's blocks launched together."""
         bound = self.det_heads_fastest_pairs if self.pair else self.det_heads_fastest_blocks
-        return deterministic * _at_most(n_blocks, bound)
+        ascending = deterministic * (2 - deterministic)  # 1 for deterministic 1 alone
+        return ascending * _at_most(n_blocks, bound)
 
     def _banded_heads_fastest(self, n_blocks: Int32) -> Int32:
         """1 where an atomic banded call of `n_blocks` key blocks launches its K/V heads
@@ -869,9 +913,10 @@ class BwdSm90:
                     q_consumer, do_consumer):
         """One _step per query head of the group and query tile of the walk: visits of
         the plan in segment variants (masked as it says), else the tiles in ascending
-        order: those the band's upper edge cuts, the ones seen whole, those its lower
-        edge cuts (mask.q_block_range). _step gets the tile m, the head, the visit (the
-        plan's index, else m) and the plan's masked flag (else 1)."""
+        order (from Walk.shift's first tile, without a band): those the band's upper
+        edge cuts, the ones seen whole, those its lower edge cuts (mask.q_block_range).
+        _step gets the tile m, the head, the visit (the plan's index, else the tile's
+        place in the walk) and the plan's masked flag (else 1)."""
         head0, group = walk.heads
         m_begin, m_end = walk.m_begin, walk.m_end
         whole_begin, whole_end = m_begin + walk.masked_front, m_end - walk.masked_back
@@ -887,10 +932,10 @@ class BwdSm90:
                 for is_masked, start, stop in ((True, m_begin, whole_begin),
                                                (False, whole_begin, whole_end),
                                                (True, whole_end, m_end)):
-                    for m in cutlass.range(start, stop, unroll=1):
+                    for i in cutlass.range(start, stop, unroll=1):
                         q_consumer, do_consumer = self._step(
-                            is_masked, m, head, m, 1, tiles, gmem, run, walk, smem,
-                            q_consumer, do_consumer,
+                            is_masked, self._q_tile(i, walk), head, i, 1, tiles, gmem,
+                            run, walk, smem, q_consumer, do_consumer,
                         )
 
     @cute.jit

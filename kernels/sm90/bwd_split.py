@@ -143,7 +143,8 @@ class BwdSm90SplitD(BwdSm90):
         ds_rows = wgmma.transposed(sdS_now)[None, None, stage]
         acc = thr_sdp.make_fragment_C(s_shape)
         vals = cute.make_rmem_tensor(acc.layout, self.dtype)
-        step = (head - walk.heads[0]) * (walk.m_end - walk.m_begin) + (m - walk.m_begin)
+        steps_before = (head - walk.heads[0]) * (walk.m_end - walk.m_begin)
+        step = steps_before + (visit - walk.m_begin)
         if c == 0:
             wgmma.gemm(self._sdp_mma(), acc, frags.k, frags.q[None, None, None, stage], True)
             if cutlass.const_expr(self.pair):  # the previous step's exchange, behind the GEMM

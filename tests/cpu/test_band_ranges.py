@@ -176,3 +176,23 @@ def test_pair_walks_cover_both_blocks_in_step(chunk):
             last = band.last_block(m, tm, hi, 2 * tn, pairs)
             turns = sorted(last - p for p in visitors)
             assert turns == list(range(len(visitors))), f"{where} tile {m}: {turns}"
+
+
+@pytest.mark.parametrize("tiles", [1, 2, 3, 5, 8, 13])
+def test_shifted_turns_follow_the_visits(tiles):
+    # Deterministic walks without a band (kernels/sm90/bwd.py _q_tile, _dq_turn): at
+    # every tile the turns are 0 .. blocks - 1, in the order of the blocks' visits, so
+    # that every block's turn at the tile of its visit i waits only for blocks that
+    # visited that tile at earlier visits.
+    for blocks in range(1, tiles + 1):
+        walks = [band.shifted_walk(n, blocks, tiles, 1) for n in range(blocks)]
+        assert walks == [(n, blocks) for n in range(blocks)]
+        first = [f for f, _ in walks]
+        for m in range(tiles):
+            visit = {n: (m - first[n]) % tiles for n in range(blocks)}
+            turns = {n: band.shifted_turn(n, m, blocks, tiles) for n in range(blocks)}
+            assert sorted(turns.values()) == list(range(blocks)), (blocks, m, turns)
+            for n in range(blocks):
+                assert turns[n] == sum(visit[q] < visit[n] for q in range(blocks))
+    assert band.shifted_walk(3, tiles + 1, tiles, 1) == (0, 0)
+    assert band.shifted_walk(0, 1, tiles, 0) == (0, 0)
