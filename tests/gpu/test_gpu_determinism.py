@@ -1,8 +1,11 @@
 """Bitwise reproducibility of the deterministic backward (and of the forward) over many
 runs, beyond the causal d128 / d256 cases of test_gpu_transforms.py: no mask, a window,
 segment ids, varlen, GQA and d256 without a mask. Each case has several key blocks per
-query tile, so several CTAs add into every dq tile in the order the semaphores set
-(up to 32 key blocks launched K/V heads first, past that key blocks first).
+query tile, so several CTAs add into every dq tile in the order the semaphores set:
+without a band, walks shifted so that block n starts at query tile n where a K/V head
+has no more key blocks than query tiles and its CTAs fit in half the SMs
+(ffi/attention_bwd.cc), else ascending turns (up to 32 key blocks launched K/V heads
+first, past that key blocks first).
 At d256 and D 192 / Dv 128 the deterministic backward runs 2-CTA pairs
 (kernels/sm90/bwd_pair.py): a window, causal GQA over an odd number of key blocks (900
 keys: 15 blocks of 64, the last pair's second block past Sk) and causal 192 / 128."""
@@ -33,8 +36,11 @@ def _ids(b, s, documents=5):
 
 CASES = {
     "d128-none": dict(d=128, kwargs={}),
-    # past the bound up to which deterministic calls launch the K/V heads fastest
+    # more key blocks than query tiles (ascending turns), past the bound up to which
+    # deterministic calls launch the K/V heads fastest
     "d64-none-sk4200": dict(d=64, kwargs={}, sk=4200),
+    # 71 key blocks: more CTAs a K/V head than half of any Hopper's SMs (ascending turns)
+    "d128-none-s9000": dict(d=128, kwargs={}, sq=9000, sk=9000),
     "d128-window": dict(d=128, kwargs={"window": (300, 100)}),
     "d64-segments-causal": dict(d=64, kwargs={"causal": True}, segments=True),
     "d128-varlen-causal": dict(d=128, kwargs={"causal": True}, varlen=True),
@@ -50,8 +56,8 @@ CASES = {
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES)
 def test_deterministic_backward_is_bitwise_reproducible(fa, case):
     heads, varlen = case.get("heads", (4, 4)), case.get("varlen", False)
-    q, k, v, dout, dlse = fa.problem(31, "bfloat16", 2, SQ, case.get("sk", SK), *heads,
-                                     case["d"], case.get("dv"))
+    q, k, v, dout, dlse = fa.problem(31, "bfloat16", 2, case.get("sq", SQ), case.get("sk", SK),
+                                     *heads, case["d"], case.get("dv"))
     kwargs = dict(case["kwargs"], return_lse=True, implementation="cute", deterministic=True)
     if case.get("segments"):
         kwargs.update(q_segment_ids=_ids(2, SQ), kv_segment_ids=_ids(2, SK))
