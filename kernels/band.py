@@ -91,15 +91,21 @@ def split_blocks(n_begin, n_end, masked_end, masked_begin, first, end, mn=min, m
     return n_end - end, n_end - first, top, mx(end - bottom_from, 0)
 
 
-def shifted_walk(block, blocks, tiles, allowed, pick=None):
+def shifted(blocks, tiles, allowed, mn=min):
+    """1 where the deterministic walks without a band over `tiles` query tiles are
+    shifted (shifted_walk): `allowed` (1 or 0) and no more than `blocks` key blocks
+    (pairs) than tiles; else 0. Integer arithmetic: launch dimensions must be
+    integers."""
+    return allowed * (1 - mn(blocks // (tiles + 1), 1))
+
+
+def shifted_walk(block, blocks, tiles, allowed, mn=min):
     """(first, turns) of key block `block`'s walk over the `tiles` query tiles without a
-    band, one of `blocks` blocks: where `allowed` (1 or 0) and there are no more blocks
-    than tiles, block n starts at tile n and wraps around, and its dQ turns are
-    shifted_turn's among `turns` = blocks; else (0, 0), the walk in order. `pick(c, a,
-    b)` is a if c else b (the DSL's select in the kernels)."""
-    pick = pick or (lambda c, a, b: a if c else b)
-    shifted = pick(blocks <= tiles, allowed, 0) != 0
-    return pick(shifted, block, 0), pick(shifted, blocks, 0)
+    band, one of `blocks` blocks: where shifted, block n starts at tile n and wraps
+    around, and its dQ turns are shifted_turn's among `turns` = blocks; else (0, 0),
+    the walk in order."""
+    on = shifted(blocks, tiles, allowed, mn)
+    return block * on, blocks * on
 
 
 def shifted_turn(block, m, blocks, tiles, mn=min, mx=max):

@@ -444,7 +444,8 @@ class BwdSm90:
             # pairs stay along x: (2 * K/V head + rank, pair) when heads go fastest
             width = 2 if self.pair else 1
             chain = n_blocks // width
-            heads_fastest = self._heads_fastest(chain, deterministic)
+            heads_fastest = self._heads_fastest(
+                chain, cute.ceil_div(q.shape[0], self.tile_m), deterministic)
             grid = (n_blocks + (width * heads_kv - n_blocks) * heads_fastest,
                     heads_kv + (chain - heads_kv) * heads_fastest, k.shape[3])
         self.kernel(
@@ -528,7 +529,7 @@ class BwdSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         wg = cute.arch.make_warp_uniform(tidx // WARPGROUP)
-        n_block, kv_head, batch = self._block_coords(deterministic, tma_k)
+        n_block, kv_head, batch = self._block_coords(deterministic, tma_q, tma_k)
 
         storage = utils.SmemAllocator().allocate(self.storage)
         sQ = storage.sQ.get_tensor(sQ_layout.outer, swizzle=sQ_layout.inner)
@@ -817,17 +818,17 @@ class BwdSm90:
         allowed = deterministic // 2
         if cutlass.const_expr(self.shift_atomic_walks):
             allowed = Int32(1)
-        return band.shifted_walk(block, blocks, tiles, allowed, cutlass.select_)
+        return band.shifted_walk(block, blocks, tiles, allowed, cutlass.min)
 
-    def _heads_fastest(self, n_blocks: Int32, deterministic: Int32) -> Int32:
-        """1 where a deterministic call without a band, whose tiles see `n_blocks` key
-        blocks (pairs, in 2-CTA kernels), launches its K/V heads fastest
+    def _heads_fastest(self, n_blocks: Int32, tiles: Int32, deterministic: Int32) -> Int32:
+        """1 where a deterministic call without a band, whose `tiles` query tiles see
+        `n_blocks` key blocks (pairs, in 2-CTA kernels), launches its K/V heads fastest
         (BwdConfig.det_heads_fastest_blocks and _pairs), else 0: the blocks of one head then
         start far apart and seldom wait for each other's turns. Not with shifted walks
-        (deterministic 2), whose turns need a head's blocks launched together."""
+        (_shift), whose turns need a head's blocks launched together."""
         bound = self.det_heads_fastest_pairs if self.pair else self.det_heads_fastest_blocks
-        ascending = deterministic * (2 - deterministic)  # 1 for deterministic 1 alone
-        return ascending * _at_most(n_blocks, bound)
+        walks = band.shifted(n_blocks, tiles, deterministic // 2, cutlass.min)
+        return cutlass.min(deterministic, 1) * (1 - walks) * _at_most(n_blocks, bound)
 
     def _banded_heads_fastest(self, n_blocks: Int32) -> Int32:
         """1 where an atomic banded call of `n_blocks` key blocks launches its K/V heads
@@ -837,17 +838,19 @@ class BwdSm90:
         return _at_most(n_blocks, self.banded_heads_fastest_blocks)
 
     @cute.jit
-    def _block_coords(self, deterministic: Int32, tma_k: cute.Tensor):
+    def _block_coords(self, deterministic: Int32, tma_q: cute.Tensor, tma_k: cute.Tensor):
         """(key block, K/V head, batch) of this CTA, from the grid of _launch_main."""
         x, y, z = cute.arch.block_idx()
         n_block, kv_head, batch = x, y, z
         key_blocks = cute.ceil_div(tma_k.shape[0], self.tile_n)
+        tiles = cute.ceil_div(tma_q.shape[0], self.tile_m)
         if cutlass.const_expr(not self.banded):
             if cutlass.const_expr(self.pair):
-                if self._heads_fastest(cute.ceil_div(key_blocks, 2), deterministic) != 0:
+                if self._heads_fastest(cute.ceil_div(key_blocks, 2), tiles,
+                                       deterministic) != 0:
                     n_block, kv_head = 2 * y + x % 2, x // 2
             else:
-                if self._heads_fastest(key_blocks, deterministic) != 0:
+                if self._heads_fastest(key_blocks, tiles, deterministic) != 0:
                     n_block, kv_head = y, x
         if cutlass.const_expr(self.banded):
             if deterministic != 0:
