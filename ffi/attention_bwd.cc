@@ -210,7 +210,8 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   // _shift: 2), whose turns wait on every key block of a K/V head, not only on the ones
   // launched before it: only where all of a head's CTAs (a pair kernel's odd block
   // count rounded up) fit on the GPU at once, which half its SMs leave room for (2-CTA
-  // clusters may not use every SM).
+  // clusters may not use every SM). That takes the reported SM count as available: MPS
+  // or green contexts that leave a call less than half of them could hang it (README).
   int32_t order = 0;
   if (deterministic) {
     auto num_sms = SmCount(where, device);
