@@ -91,12 +91,18 @@ def split_blocks(n_begin, n_end, masked_end, masked_begin, first, end, mn=min, m
     return n_end - end, n_end - first, top, mx(end - bottom_from, 0)
 
 
+def at_most(n, bound, mn=min):
+    """1 where n <= bound, else 0, for n, bound >= 0, in integer arithmetic (launch
+    dimensions must be integers)."""
+    return 1 - mn(n // (bound + 1), 1)
+
+
 def shifted(blocks, tiles, allowed, mn=min):
     """1 where the deterministic walks without a band over `tiles` query tiles are
     shifted (shifted_walk): `allowed` (1 or 0) and no more than `blocks` key blocks
     (pairs) than tiles; else 0. Integer arithmetic: launch dimensions must be
     integers."""
-    return allowed * (1 - mn(blocks // (tiles + 1), 1))
+    return allowed * at_most(blocks, tiles, mn)
 
 
 def shifted_walk(block, blocks, tiles, allowed, mn=min):

@@ -828,14 +828,15 @@ class BwdSm90:
         (_shift), whose turns need a head's blocks launched together."""
         bound = self.det_heads_fastest_pairs if self.pair else self.det_heads_fastest_blocks
         walks = band.shifted(n_blocks, tiles, deterministic // 2, cutlass.min)
-        return cutlass.min(deterministic, 1) * (1 - walks) * _at_most(n_blocks, bound)
+        fits = band.at_most(n_blocks, bound, cutlass.min)
+        return cutlass.min(deterministic, 1) * (1 - walks) * fits
 
     def _banded_heads_fastest(self, n_blocks: Int32) -> Int32:
         """1 where an atomic banded call of `n_blocks` key blocks launches its K/V heads
         fastest (BwdConfig.banded_heads_fastest_blocks), else 0: past the bound one
         head's blocks run together, longest first, and share its Q and dO in L2, which
         every head's blocks at once would not fit."""
-        return _at_most(n_blocks, self.banded_heads_fastest_blocks)
+        return band.at_most(n_blocks, self.banded_heads_fastest_blocks, cutlass.min)
 
     @cute.jit
     def _block_coords(self, deterministic: Int32, tma_q: cute.Tensor, tma_k: cute.Tensor):
@@ -1184,12 +1185,6 @@ class _Tiles:
 def walk_steps(walk: Walk):
     """How many query tiles this CTA's consumers step through (_walk_tiles)."""
     return walk.heads[1] * (walk.m_end - walk.m_begin)
-
-
-def _at_most(n, bound: int):
-    """1 where n <= bound, else 0, for n >= 0: integer arithmetic, as launch dimensions
-    must be integers."""
-    return 1 - cutlass.min(n // (bound + 1), 1)
 
 
 def _bulk_reduce_add_f32(dst, src, num_bytes: int):
