@@ -188,13 +188,17 @@ ffi::Error BwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
   if (p.seqlen_q == 0 || p.seqlen_k == 0)
     return ffi::Error::InvalidArgument(where + ": seqlen_q and seqlen_k must be >= 1 "
                                        "(handled in Python)");
-  // Grids (tiles, heads, batch), and (heads, key blocks, batch) for the banded main
-  // kernel with atomic adds; the export ABI holds sizes as int32, dq_accum's extent
-  // (Sq_pad * D) included.
-  if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || key_blocks > kMaxGridYZ ||
-      p.seqlen_k > kInt32Max || w.dq_accum > kInt32Max)
-    return ffi::Error::InvalidArgument(where + ": batch, heads and seqlen_k / tile_n must be "
-                                       "<= 65535, and padded seqlen_q * head_dim < 2^31");
+  // Grids (tiles, heads, batch) and, for the main kernel, (key blocks, K/V heads,
+  // batch); key blocks go along y only in launches of at most 64 of them (bwd.py
+  // _launch_main). The export ABI and the kernels' key indices are int32, up to the last
+  // block of a pair (an odd count gets an empty one), and so is dq_accum's extent
+  // (Sq_pad * D).
+  const int64_t padded_keys = (key_blocks + 1) / 2 * 2 * p.kernel->tile_n;
+  if (p.batch > kMaxGridYZ || p.heads > kMaxGridYZ || padded_keys > kInt32Max ||
+      w.dq_accum > kInt32Max)
+    return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535, seqlen_k "
+                                       "rounded up to an even number of key blocks < 2^31, "
+                                       "and padded seqlen_q * head_dim < 2^31");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out.untyped_data(),
                    dout.untyped_data(), lse.untyped_data(), dlse.untyped_data(),
                    dq->untyped_data(), dk->untyped_data(), dv->untyped_data(),

@@ -345,6 +345,11 @@ ffi::Error FwdExecute(cudaStream_t stream, int32_t device, ffi::AnyBuffer q, ffi
       p.batch * num_splits > kInt32Max || p.num_pages * p.page_size > kInt32Max)
     return ffi::Error::InvalidArgument(where + ": batch and heads must be <= 65535 and "
                                        "sequence lengths < 2^31");
+  // The split kernels' combine addresses out in 32 bits (kernels/sm90/combine.py;
+  // jax_fa4._split_kv.out_view_fits routes larger calls unsplit).
+  if (split_kernel && static_cast<int64_t>(out->element_count()) > kInt32Max)
+    return ffi::Error::InvalidArgument(where + ": a split kernel's out must have fewer "
+                                       "than 2^31 elements");
   if (!TmaAligned({q.untyped_data(), k.untyped_data(), v.untyped_data(), out->untyped_data(),
                    lse->typed_data()}) ||
       (split_kernel && !TmaAligned({out_part->typed_data(), lse_part->typed_data()})))

@@ -87,7 +87,10 @@ inline std::string Shapes(std::initializer_list<Named> buffers) {
   return s;
 }
 
+// Also reads (so clears) the thread's last CUDA error: left set, the next call's launch
+// check (LaunchResult) would report it as its own.
 inline ffi::Error CudaError(const std::string& what, cudaError_t e) {
+  cudaGetLastError();
   return ffi::Error::Internal(what + ": " + cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
 }
 
@@ -201,7 +204,7 @@ FwdArgs ForwardArgs(const Problem& p, const void* q, const void* k, const void* 
 // return, which cudaGetLastError reports.
 inline ffi::Error LaunchResult(const std::string& where, int32_t ret) {
   if (ret != 0) return CudaError(where + ": launch", static_cast<cudaError_t>(ret));
-  cudaError_t e = cudaGetLastError();
+  cudaError_t e = cudaPeekAtLastError();
   if (e != cudaSuccess) return CudaError(where + ": launch", e);
   return ffi::Error::Success();
 }

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_fa4 import _segment_plan
-from jax_fa4._kernel_select import GRID_YZ_LIMIT, bwd_kernel, fwd_kernel
+from jax_fa4._kernel_select import bwd_kernel, fwd_kernel
 from jax_fa4._spec import AttentionSpec
 from jax_fa4._varying import vary_like
 
@@ -110,17 +110,18 @@ def _segment_operands(segments, kernel, make_plan, rows_per_position=1):
 
 def _check_backward_sizes(kernel, sq, sq_pad, sk, head_dim) -> None:
     """The backward's limits (ffi/attention_bwd.cc), refused while tracing rather than at
-    the launch: its key blocks are a grid dimension (<= 65535) and its fp32 dq
-    accumulator (sq_pad * D per row) is indexed in int32. Symbolic sizes (jax.export)
-    are left to the handler."""
+    the launch: its key indices, up to an even number of key blocks (a pair kernel's
+    last may be empty), and its fp32 dq accumulator (sq_pad * D per row) are int32.
+    Symbolic sizes (jax.export) are left to the handler."""
     if not isinstance(sq_pad, int) or not isinstance(sk, int):
         return
-    blocks = -(-sk // kernel["tile_n"])
-    if blocks > GRID_YZ_LIMIT or sq_pad * head_dim >= 1 << 31:
+    tile_n = kernel["tile_n"]
+    padded_keys = -(-sk // (2 * tile_n)) * 2 * tile_n
+    if padded_keys >= 1 << 31 or sq_pad * head_dim >= 1 << 31:
         raise ValueError(
-            f"the backward kernel {kernel['name']} takes at most {GRID_YZ_LIMIT} key blocks "
-            f"of {kernel['tile_n']} (Sk <= {GRID_YZ_LIMIT * kernel['tile_n']}) and Sq * D < "
-            f"2^31; got Sk {sk}, Sq {sq}, D {head_dim}")
+            f"the backward kernel {kernel['name']} takes Sk rounded up to an even number of "
+            f"{tile_n}-key blocks < 2^31 and Sq * D < 2^31; got Sk {sk}, Sq {sq}, "
+            f"D {head_dim}")
 
 
 def bwd(q, k, v, out, dout, lse, dlse, *segments, spec: AttentionSpec, rows_per_position=1):

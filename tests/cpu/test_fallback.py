@@ -134,13 +134,16 @@ def test_segment_kernels_refuse_keys_their_plans_cannot_name(built, monkeypatch)
         assert spec.path == "platform" and spec.pack_gqa == packed, spec
 
 
-def test_the_backward_refuses_too_many_key_blocks_while_tracing(built, monkeypatch):
+def test_the_backward_refuses_keys_past_int32_while_tracing(built, monkeypatch):
+    # Key blocks run along the grid's x (up to 2^31 - 1): more than 65535 of them train
+    # (they had been refused); key indices up to an even number of blocks are int32.
     monkeypatch.setattr(_path, "gpu_devices", lambda: (H100,))
-    q, k = sds(1, 16, 1, 128), sds(1, 65536 * 128 + 1, 1, 128)
     grad = jax.grad(lambda q, k: jax_fa4.attention(q, k, k, implementation="cute")
                     .astype(jnp.float32).sum())
-    with pytest.raises(ValueError, match="at most 65535 key blocks of 128"):
-        jax.jit(grad).trace(q, k)
+    q = sds(1, 16, 1, 128)
+    jax.jit(grad).trace(q, sds(1, 65536 * 128 + 1, 1, 128))
+    with pytest.raises(ValueError, match="even number of 128-key blocks < 2.31"):
+        jax.jit(grad).trace(q, sds(1, 2**31 - 100, 1, 128))
 
 
 def test_one_warning_per_reason(built, monkeypatch):
