@@ -1,5 +1,6 @@
-"""bench.fa4_peer: the kernel time it reads from torch.profiler's trace, and argument
-checks before torch or FA4 are imported (the timing itself needs a GPU and FA4)."""
+"""bench.fa4_peer: the kernel time it reads from torch.profiler's trace (per call of a
+back-to-back run), and argument checks before torch or FA4 are imported (the timing
+itself needs a GPU and FA4)."""
 
 import pytest
 
@@ -18,6 +19,33 @@ def test_kernel_time_counts_kernels_only(fa4_peer):
         {"ph": "i", "cat": "kernel", "name": "marker"},
     ]}
     assert fa4_peer.kernel_ms(trace) == pytest.approx(0.5005)
+
+
+def _kernel(name, ts, dur):
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur}
+
+
+def test_back_to_back_calls_split_by_start_order(fa4_peer):
+    # The export need not list events in start order; a memset between calls is not
+    # a kernel and does not shift the split.
+    trace = {"traceEvents": [
+        _kernel("bwd", 300.0, 40.0), _kernel("fwd", 0.0, 10.0), _kernel("bwd", 20.0, 30.0),
+        {"ph": "X", "cat": "gpu_memset", "name": "Memset (Device)", "ts": 100.0, "dur": 5.0},
+        _kernel("fwd", 200.0, 12.0),
+    ]}
+    assert fa4_peer.per_call_ms(trace, 2) == pytest.approx([0.040, 0.052])
+
+
+@pytest.mark.parametrize("events,message", [
+    ([_kernel("fwd", 0.0, 1.0), _kernel("bwd", 5.0, 1.0), _kernel("fwd", 9.0, 1.0)],
+     "3 GPU kernels recorded over 2 calls"),
+    ([], "0 GPU kernels recorded over 2 calls"),
+    ([_kernel("fwd", 0.0, 1.0), _kernel("bwd", 5.0, 1.0), _kernel("bwd", 9.0, 1.0),
+      _kernel("fwd", 12.0, 1.0)], "the calls launched different kernels"),
+])
+def test_calls_that_differ_are_refused(fa4_peer, events, message):
+    with pytest.raises(RuntimeError, match=message):
+        fa4_peer.per_call_ms({"traceEvents": events}, 2)
 
 
 @pytest.mark.parametrize("argv,message", [
