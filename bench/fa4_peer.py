@@ -34,6 +34,7 @@ import pathlib
 import statistics
 import tempfile
 
+from bench.clocks import ClockSampler, describe
 from bench.flops import HIDDEN, TOKENS, attention_flops
 
 BACKEND = "fa4_cute"
@@ -70,9 +71,10 @@ def per_call_ms(trace: dict, calls: int) -> list[float]:
     return [sum(e["dur"] for e in run) / 1e3 for run in runs]
 
 
-def _timed(fn, iterations: int, isolated: bool, warmup: int = 3) -> float:
+def _timed(fn, iterations: int, isolated: bool, warmup: int = 3) -> tuple[float, dict | None]:
     """Median over `iterations` calls of fn's kernel time: the calls back to back in one
-    profiled run, or (isolated) each profiled alone."""
+    profiled run, or (isolated) each profiled alone; and bench.clocks' summary of the
+    GPU's clocks over them."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -90,17 +92,20 @@ def _timed(fn, iterations: int, isolated: bool, warmup: int = 3) -> float:
             prof.export_chrome_trace(path)
             return json.loads(pathlib.Path(path).read_text())
 
-        if isolated:
-            times = [kernel_ms(profiled(1)) for _ in range(iterations)]
-        else:
-            times = per_call_ms(profiled(iterations), iterations)
+        with ClockSampler() as clocks:
+            if isolated:
+                times = [kernel_ms(profiled(1)) for _ in range(iterations)]
+            else:
+                times = per_call_ms(profiled(iterations), iterations)
     if not any(times):
         raise RuntimeError("no GPU kernels were recorded")
-    return statistics.median(times)
+    return statistics.median(times), clocks.summary
 
 
 def measure(b, s, h, d, causal, iterations, isolated=False) -> dict:
-    """{mode: ms} of FA4's forward, its training forward and its backward on one cell."""
+    """{mode: ms} of FA4's forward, its training forward and its backward on one cell,
+    and "clocks": {mode: bench.clocks' summary} of the forward's and the backward's
+    calls (the backward's: the forward-and-backward calls)."""
     import torch
     from flash_attn.cute import flash_attn_func
 
@@ -119,9 +124,11 @@ def measure(b, s, h, d, causal, iterations, isolated=False) -> dict:
     def both():
         torch.autograd.grad(attend(q, k, v), (q, k, v), dout)
 
-    fwd = _timed(forward, iterations, isolated)
-    train = _timed(lambda: attend(q, k, v), iterations, isolated)  # keeps what bwd reads
-    return {"fwd": fwd, "bwd": _timed(both, iterations, isolated) - train, "fwd_train": train}
+    fwd, fwd_clocks = _timed(forward, iterations, isolated)
+    train, _ = _timed(lambda: attend(q, k, v), iterations, isolated)  # keeps what bwd reads
+    both_ms, both_clocks = _timed(both, iterations, isolated)
+    return {"fwd": fwd, "bwd": both_ms - train, "fwd_train": train,
+            "clocks": {"fwd": fwd_clocks, "bwd": both_clocks}}
 
 
 def main(argv=None):
@@ -179,8 +186,11 @@ def main(argv=None):
                                    tflops=flops / ms[mode] / 1e9,
                                    **({"fwd_train_ms": ms["fwd_train"]} if mode == "bwd"
                                       else {}))
+                        if ms["clocks"][mode] is not None:
+                            rec["clocks"] = ms["clocks"][mode]
                         out.write(json.dumps(rec) + "\n")
-                        line.append(f"{mode} {ms[mode]:.3f} ms {rec['tflops']:.0f} TFLOP/s")
+                        line.append(f"{mode} {ms[mode]:.3f} ms {rec['tflops']:.0f} TFLOP/s "
+                                    f"({describe(ms['clocks'][mode])})")
                     print(f"d{d} causal={causal} s{s}: " + ", ".join(line), flush=True)
 
 

@@ -47,6 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from bench.backends import BACKENDS, DETERMINISTIC, FP8, KV_FP8, PAGED
+from bench.clocks import describe
 from bench.flops import HIDDEN, TOKENS, attention_flops
 from bench.timing import kernel_times, make_timer
 from jax_fa4 import _registry
@@ -146,12 +147,13 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
     whole vjp minus `fwd_ms`, the time of the vjp's own forward (mode "fwd_train"): for
     jax_fa4 and upstream FA4 the inference kernel, which writes the LSE anyway; for
     cuDNN its training kernel (subtracting its inference kernel had charged its backward
-    0.9-2.7% more). With `kernels`, also "kernels": [(name, ms)] of each GPU kernel of
-    one call (a backward's list starts with the forward's kernels)."""
+    0.9-2.7% more). "clocks": the GPU's SM clock and power over the timed calls
+    (bench.clocks; absent without NVML). With `kernels`, also "kernels": [(name, ms)] of
+    each GPU kernel of one call (a backward's list starts with the forward's kernels)."""
     call, args = cell_call(backend, b, s, h, d, causal, dtype, mode, h_kv=h_kv,
                            window_left=window_left, softcap=softcap, documents=documents,
                            seqlen_q=seqlen_q, dv=dv, page_size=page_size)
-    ms = timer(call, *args, iterations=iterations)
+    ms, clocks = timer(call, *args, iterations=iterations)
     if mode in ("bwd", "bwd_det"):
         ms -= fwd_ms
     dv = dv or d
@@ -159,6 +161,8 @@ def measure(timer, backend, b, s, h, d, causal, dtype, iterations, mode, fwd_ms=
                             "bwd" if mode in ("bwd", "bwd_det") else "fwd",
                             dv=dv, window_left=window_left, documents=documents or 1)
     result = {"ms": ms, "tflops": flops / ms / 1e9}
+    if clocks is not None:
+        result["clocks"] = clocks
     if kernels:
         result["kernels"] = kernel_times(call, *args, iterations=iterations)
     return result
@@ -326,6 +330,10 @@ def main():
                         for be, rec in row.items():
                             if "kernels" in rec:
                                 print(kernel_line(be, rec["kernels"]), flush=True)
+                        if any("clocks" in rec for rec in row.values()):
+                            print("#   clocks: " + "; ".join(
+                                f"{be} {describe(rec.get('clocks'))}"
+                                for be, rec in row.items()), flush=True)
 
 
 def kernel_line(backend, kernels) -> str:

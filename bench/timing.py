@@ -13,6 +13,8 @@ import time
 import jax
 import jax.numpy as jnp
 
+from bench.clocks import ClockSampler
+
 
 def _cupti_ms(fn, *args, iterations):
     from jax.experimental.mosaic.gpu import profiler
@@ -80,8 +82,10 @@ def _wall_ms(fn, *args, iterations):
 
 
 def make_timer(cold: bool = False):
-    """-> (method name, timer(fn, *args, iterations) -> median ms); fn is jitted and
-    warmed up by the timer. cold: L2 emptied before every call (CUPTI only)."""
+    """-> (method name, timer(fn, *args, iterations) -> (median ms, clocks)); fn is
+    jitted and warmed up by the timer; clocks is bench.clocks' summary of the GPU's SM
+    clock and power over the timed calls (None without NVML or a busy sample). cold: L2
+    emptied before every call (CUPTI only)."""
     probe = jax.jit(lambda x: x * 2)
     x = jnp.ones((1024,), jnp.float32)
     try:
@@ -97,6 +101,8 @@ def make_timer(cold: bool = False):
         jitted = jax.jit(fn)
         for _ in range(warmup):
             jax.block_until_ready(jitted(*args))
-        return measure(jitted, *args, iterations=iterations)
+        with ClockSampler() as clocks:
+            ms = measure(jitted, *args, iterations=iterations)
+        return ms, clocks.summary
 
     return method, timer
