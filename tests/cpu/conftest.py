@@ -23,6 +23,14 @@ def bench_module(monkeypatch):
 
 
 @pytest.fixture
+def kernel_band(monkeypatch):
+    """The checkout's kernels/band.py, the launch arithmetic the kernels and the FFI
+    share (kernels/ is not installed, and the checkout is not on pytest's path)."""
+    monkeypatch.syspath_prepend(str(REPO))
+    return importlib.import_module("kernels.band")
+
+
+@pytest.fixture
 def expected_manifest(monkeypatch) -> list[dict]:
     """kernels/config.py MANIFEST as the native module reports it (no CuTe-DSL needed)."""
     monkeypatch.syspath_prepend(str(REPO))

@@ -15,12 +15,10 @@ import random
 
 import pytest
 
-from kernels import band
 
-
-def simulate(blocks, tiles, heads, width, holds, rng):
-    """Runs one batch of the launch; returns the adds per (head, tile), or None where
-    it stalls with CTAs left."""
+def simulate(band, blocks, tiles, heads, width, holds, rng):
+    """Runs one batch of the launch (`band`: kernels/band.py); returns the adds per
+    (head, tile), or None where it stalls with CTAs left."""
     walks = [band.shifted_walk(n, blocks, tiles, 1) for n in range(blocks)]
     assert all(turns == blocks for _, turns in walks)
     # a block's CTAs (a pair's two) are dispatched together, as one cluster
@@ -45,18 +43,18 @@ def simulate(blocks, tiles, heads, width, holds, rng):
 
 
 @pytest.mark.parametrize("width", [1, 2])
-def test_shifted_launch_never_stalls(width):
+def test_shifted_launch_never_stalls(kernel_band, width):
     rng = random.Random(11)
     for _ in range(150):
         tiles = rng.randint(1, 120)
         blocks, heads = rng.randint(1, min(tiles, 40)), rng.randint(1, 8)
         for holds in (blocks * width, 2 * blocks * width):
             where = (blocks, tiles, heads, width, holds)
-            adds = simulate(blocks, tiles, heads, width, holds, rng)
+            adds = simulate(kernel_band, blocks, tiles, heads, width, holds, rng)
             assert adds is not None, f"stalled: {where}"
             assert adds == {(h, m): blocks for h in range(heads) for m in range(tiles)}, where
 
 
-def test_a_head_past_the_gpu_would_stall():
+def test_a_head_past_the_gpu_would_stall(kernel_band):
     # The check has teeth: a head of 8 pairs (16 CTAs) on a GPU holding 10.
-    assert simulate(8, 16, 1, 2, 10, random.Random(0)) is None
+    assert simulate(kernel_band, 8, 16, 1, 2, 10, random.Random(0)) is None

@@ -37,12 +37,11 @@ def test_num_splits(ctas, blocks, sms, expected):
     assert _split_kv.num_splits(ctas, blocks, sms) == expected
 
 
-def test_no_split_is_empty():
+def test_no_split_is_empty(kernel_band):
     """Every split walks at least one block of the longest tile (band.split_visits)."""
-    from kernels import band
     for blocks, ctas in itertools.product(range(1, 300), (1, 3, 8, 33, 100)):
         splits = _split_kv.num_splits(ctas, blocks, 132)
-        runs = [band.split_visits(blocks, s, splits) for s in range(splits)]
+        runs = [kernel_band.split_visits(blocks, s, splits) for s in range(splits)]
         assert all(first < end for first, end in runs), (ctas, splits, runs)
         assert runs[-1][1] == blocks
 
