@@ -35,8 +35,8 @@ class _Nvml:
 
     def __init__(self, lib, device):
         self._lib, self._device = lib, device
-        # Renamed from "throttle" to "event" reasons in CUDA 12.2's NVML; old drivers
-        # have only the first name.
+        # Renamed from "throttle" to "event" reasons in CUDA 12.2's NVML; older drivers
+        # have only the throttle name.
         self._reasons = (getattr(lib, "nvmlDeviceGetCurrentClocksEventReasons", None)
                          or lib.nvmlDeviceGetCurrentClocksThrottleReasons)
 
