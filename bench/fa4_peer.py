@@ -26,6 +26,7 @@ or "cupti-torch" with --isolated) to --out and prints a line per cell. `python -
 bench.plot --tables` takes the latest file's lines, so appending them to a matrix run's
 file puts same-session FA4 cells in README's tables.
 """
+
 import argparse
 import datetime
 import json
